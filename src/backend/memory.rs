@@ -1,0 +1,256 @@
+//! A sparse in-memory backend: pages are allocated on first write and released by TRIM
+//! and WRITE_ZEROES; page tables are sharded so concurrent requests rarely share a lock.
+
+use std::collections::HashMap;
+use std::sync::RwLock;
+
+use bytes::Bytes;
+
+use super::{Backend, BackendFuture, Capabilities, Extent, ReadData, ZeroFlags};
+
+/// Bytes per page: the allocation and hole granularity.
+pub const PAGE_SIZE: u64 = 64 * 1024;
+const SHARDS: u64 = 64;
+
+type Page = Box<[u8]>;
+
+/// Sparse memory export.
+pub struct MemoryBackend {
+    size: u64,
+    read_only: bool,
+    shards: Vec<RwLock<HashMap<u64, Page>>>,
+}
+
+impl MemoryBackend {
+    pub fn new(size: u64, read_only: bool) -> MemoryBackend {
+        let shards = (0..SHARDS).map(|_| RwLock::new(HashMap::new())).collect();
+        MemoryBackend {
+            size,
+            read_only,
+            shards,
+        }
+    }
+
+    fn shard(&self, page: u64) -> &RwLock<HashMap<u64, Page>> {
+        &self.shards[(page % SHARDS) as usize]
+    }
+
+    /// Calls `f(page_index, offset_in_page, buffer_offset, len)` for every page piece of a range.
+    fn for_each_piece(offset: u64, length: u64, mut f: impl FnMut(u64, usize, usize, usize)) {
+        let mut done = 0u64;
+        while done < length {
+            let at = offset + done;
+            let page = at / PAGE_SIZE;
+            let in_page = (at % PAGE_SIZE) as usize;
+            let len = (PAGE_SIZE - at % PAGE_SIZE).min(length - done) as usize;
+            f(page, in_page, done as usize, len);
+            done += len as u64;
+        }
+    }
+
+    fn read_now(&self, offset: u64, length: usize) -> ReadData {
+        let mut data = vec![0u8; length];
+        let mut runs: Vec<(usize, bool)> = Vec::new();
+        Self::for_each_piece(offset, length as u64, |page, in_page, at, len| {
+            let shard = self.shard(page).read().unwrap_or_else(|e| e.into_inner());
+            let hole = match shard.get(&page) {
+                Some(bytes) => {
+                    data[at..at + len].copy_from_slice(&bytes[in_page..in_page + len]);
+                    false
+                }
+                None => true,
+            };
+            match runs.last_mut() {
+                Some((run_len, run_hole)) if *run_hole == hole => *run_len += len,
+                _ => runs.push((len, hole)),
+            }
+        });
+        ReadData {
+            data: Bytes::from(data),
+            runs,
+        }
+    }
+
+    fn write_now(&self, offset: u64, data: &[u8]) {
+        Self::for_each_piece(offset, data.len() as u64, |page, in_page, at, len| {
+            let mut shard = self.shard(page).write().unwrap_or_else(|e| e.into_inner());
+            let bytes = shard
+                .entry(page)
+                .or_insert_with(|| vec![0u8; PAGE_SIZE as usize].into_boxed_slice());
+            bytes[in_page..in_page + len].copy_from_slice(&data[at..at + len]);
+        });
+    }
+
+    fn zero_now(&self, offset: u64, length: u64) {
+        Self::for_each_piece(offset, length, |page, in_page, _, len| {
+            let mut shard = self.shard(page).write().unwrap_or_else(|e| e.into_inner());
+            if len as u64 == PAGE_SIZE {
+                shard.remove(&page);
+            } else if let Some(bytes) = shard.get_mut(&page) {
+                bytes[in_page..in_page + len].fill(0);
+            }
+        });
+    }
+
+    fn extents_now(&self, offset: u64, length: u64) -> Vec<Extent> {
+        let mut extents: Vec<Extent> = Vec::new();
+        Self::for_each_piece(offset, length, |page, _, _, len| {
+            let present = self
+                .shard(page)
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains_key(&page);
+            let hole = !present;
+            match extents.last_mut() {
+                Some(last) if last.hole == hole => last.length += len as u64,
+                _ => extents.push(Extent {
+                    length: len as u64,
+                    hole,
+                    zero: hole,
+                }),
+            }
+        });
+        extents
+    }
+}
+
+impl Backend for MemoryBackend {
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            read_only: self.read_only,
+            flush: true,
+            fua: true,
+            trim: true,
+            write_zeroes: true,
+            fast_zero: true,
+            cache: true,
+            multi_conn: true,
+            rotational: false,
+        }
+    }
+
+    fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
+        Box::pin(async move { Ok(self.read_now(offset, length)) })
+    }
+
+    fn write(&self, offset: u64, data: Bytes, _fua: bool) -> BackendFuture<'_, ()> {
+        Box::pin(async move {
+            self.write_now(offset, &data);
+            Ok(())
+        })
+    }
+
+    fn flush(&self) -> BackendFuture<'_, ()> {
+        Box::pin(async { Ok(()) })
+    }
+
+    fn trim(&self, offset: u64, length: u64, _fua: bool) -> BackendFuture<'_, ()> {
+        Box::pin(async move {
+            self.zero_now(offset, length);
+            Ok(())
+        })
+    }
+
+    fn write_zeroes(&self, offset: u64, length: u64, _flags: ZeroFlags) -> BackendFuture<'_, ()> {
+        // Dropping pages is always faster than writing, so FAST_ZERO never fails here.
+        Box::pin(async move {
+            self.zero_now(offset, length);
+            Ok(())
+        })
+    }
+
+    fn cache(&self, _offset: u64, _length: u64) -> BackendFuture<'_, ()> {
+        Box::pin(async { Ok(()) })
+    }
+
+    fn extents(&self, offset: u64, length: u64) -> BackendFuture<'_, Vec<Extent>> {
+        Box::pin(async move { Ok(self.extents_now(offset, length)) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn block_on<T>(f: impl std::future::Future<Output = T>) -> T {
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap()
+            .block_on(f)
+    }
+
+    #[test]
+    fn unwritten_memory_reads_as_a_hole_of_zeroes() {
+        let m = MemoryBackend::new(1 << 20, false);
+        let r = block_on(m.read(1000, 5000)).unwrap();
+        assert!(r.data.iter().all(|&b| b == 0));
+        assert_eq!(r.runs, vec![(5000, true)]);
+    }
+
+    #[test]
+    fn writes_across_pages_read_back() {
+        let m = MemoryBackend::new(1 << 20, false);
+        let data: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+        block_on(m.write(PAGE_SIZE - 7, Bytes::from(data.clone()), false)).unwrap();
+        let r = block_on(m.read(PAGE_SIZE - 7, data.len())).unwrap();
+        assert_eq!(&r.data[..], &data[..]);
+        assert!(r.runs.iter().all(|&(_, hole)| !hole));
+        // Pages 0..=4 were touched; page 5 is still a hole.
+        let ext = block_on(m.extents(0, 6 * PAGE_SIZE)).unwrap();
+        assert_eq!(
+            ext,
+            vec![
+                Extent {
+                    length: 5 * PAGE_SIZE,
+                    hole: false,
+                    zero: false
+                },
+                Extent {
+                    length: PAGE_SIZE,
+                    hole: true,
+                    zero: true
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn zeroing_whole_pages_makes_holes_and_partial_pages_zero() {
+        let m = MemoryBackend::new(4 * PAGE_SIZE, false);
+        block_on(m.write(0, Bytes::from(vec![7u8; 4 * PAGE_SIZE as usize]), false)).unwrap();
+        block_on(m.write_zeroes(100, 2 * PAGE_SIZE, ZeroFlags::default())).unwrap();
+        let r = block_on(m.read(0, 4 * PAGE_SIZE as usize)).unwrap();
+        assert!(r.data[..100].iter().all(|&b| b == 7));
+        assert!(r.data[100..100 + 2 * PAGE_SIZE as usize]
+            .iter()
+            .all(|&b| b == 0));
+        assert!(r.data[100 + 2 * PAGE_SIZE as usize..]
+            .iter()
+            .all(|&b| b == 7));
+        let ext = block_on(m.extents(0, 4 * PAGE_SIZE)).unwrap();
+        assert_eq!(
+            ext,
+            vec![
+                Extent {
+                    length: PAGE_SIZE,
+                    hole: false,
+                    zero: false
+                },
+                Extent {
+                    length: PAGE_SIZE,
+                    hole: true,
+                    zero: true
+                },
+                Extent {
+                    length: 2 * PAGE_SIZE,
+                    hole: false,
+                    zero: false
+                },
+            ]
+        );
+    }
+}

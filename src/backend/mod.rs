@@ -1,0 +1,269 @@
+//! The one storage interface every export goes through, and its implementations.
+//!
+//! A [`Backend`] takes owned buffers and returns boxed futures, so an engine can keep a
+//! buffer while the I/O is in flight (io_uring) and layers (replication, fault injection)
+//! can wrap any backend the way nbdkit filters wrap plugins. What a backend can do is
+//! described by [`Capabilities`], which map one-to-one onto NBD transmission flags in
+//! [`Capabilities::transmission_flags`].
+
+pub mod file;
+pub mod memory;
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use crate::size::parse_size;
+use crate::wire::{transmission_flags as tf, NbdError};
+
+/// A boxed future returned by backend operations.
+pub type BackendFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, BackendError>> + Send + 'a>>;
+
+/// An I/O failure with what was being done when it happened.
+#[derive(Debug, thiserror::Error)]
+#[error("{op} of {length} bytes at offset {offset} failed ({errno})")]
+pub struct BackendError {
+    pub op: &'static str,
+    pub offset: u64,
+    pub length: u64,
+    /// What the client is told.
+    pub errno: NbdError,
+    #[source]
+    pub source: Option<std::io::Error>,
+}
+
+impl BackendError {
+    /// An error caused by an operating-system call.
+    pub fn io(op: &'static str, offset: u64, length: u64, source: std::io::Error) -> BackendError {
+        BackendError {
+            op,
+            offset,
+            length,
+            errno: NbdError::from_io(&source),
+            source: Some(source),
+        }
+    }
+
+    /// An error with no underlying cause, such as an unsupported fast zero.
+    pub fn plain(op: &'static str, offset: u64, length: u64, errno: NbdError) -> BackendError {
+        BackendError {
+            op,
+            offset,
+            length,
+            errno,
+            source: None,
+        }
+    }
+}
+
+/// What a backend supports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capabilities {
+    /// Writes are refused.
+    pub read_only: bool,
+    /// FLUSH is meaningful (data can sit in a volatile cache).
+    pub flush: bool,
+    /// Per-request forced unit access.
+    pub fua: bool,
+    pub trim: bool,
+    pub write_zeroes: bool,
+    /// WRITE_ZEROES can answer quickly whether it will be fast.
+    pub fast_zero: bool,
+    pub cache: bool,
+    /// FLUSH and FUA on one connection are visible to every connection.
+    pub multi_conn: bool,
+    pub rotational: bool,
+}
+
+impl Capabilities {
+    /// The NBD transmission flags for these capabilities. `chunked_replies` says whether
+    /// structured replies or extended headers were negotiated (DF needs them).
+    pub fn transmission_flags(&self, chunked_replies: bool) -> u16 {
+        let mut flags = tf::HAS_FLAGS;
+        let pairs = [
+            (self.read_only, tf::READ_ONLY),
+            (self.flush, tf::SEND_FLUSH),
+            (self.fua, tf::SEND_FUA),
+            (self.trim, tf::SEND_TRIM),
+            (self.write_zeroes, tf::SEND_WRITE_ZEROES),
+            (self.write_zeroes && self.fast_zero, tf::SEND_FAST_ZERO),
+            (self.cache, tf::SEND_CACHE),
+            (self.multi_conn, tf::CAN_MULTI_CONN),
+            (self.rotational, tf::ROTATIONAL),
+            (chunked_replies, tf::SEND_DF),
+        ];
+        for (on, flag) in pairs {
+            if on {
+                flags |= flag;
+            }
+        }
+        flags
+    }
+}
+
+/// A run of the export with one allocation state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Extent {
+    pub length: u64,
+    /// Not allocated in the backing store.
+    pub hole: bool,
+    /// Reads as zeroes.
+    pub zero: bool,
+}
+
+impl Extent {
+    /// The `base:allocation` status flags.
+    pub fn status(&self) -> u32 {
+        let mut status = 0;
+        if self.hole {
+            status |= crate::wire::state::HOLE;
+        }
+        if self.zero {
+            status |= crate::wire::state::ZERO;
+        }
+        status
+    }
+}
+
+/// Data returned by a read: the bytes, and which runs of them are holes (zeroes the
+/// backend did not have to store), so structured replies can send `OFFSET_HOLE` for them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReadData {
+    pub data: Bytes,
+    /// Consecutive runs covering `data`: (length, is_hole).
+    pub runs: Vec<(usize, bool)>,
+}
+
+impl ReadData {
+    /// Data with no holes.
+    pub fn dense(data: Bytes) -> ReadData {
+        let len = data.len();
+        ReadData {
+            data,
+            runs: vec![(len, false)],
+        }
+    }
+}
+
+/// Flags of a WRITE_ZEROES request, as the backend sees them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ZeroFlags {
+    /// The range may be deallocated (NO_HOLE was not set).
+    pub may_trim: bool,
+    /// Fail with ENOTSUP unless zeroing is faster than writing.
+    pub fast: bool,
+    pub fua: bool,
+}
+
+/// Storage behind an export. Every method may run concurrently with every other.
+pub trait Backend: Send + Sync + 'static {
+    /// Size of the export in bytes.
+    fn size(&self) -> u64;
+    fn capabilities(&self) -> Capabilities;
+    /// Reads `length` bytes at `offset` (the range is within the export).
+    fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData>;
+    /// Writes `data` at `offset`; with `fua` the data is durable when this returns.
+    fn write(&self, offset: u64, data: Bytes, fua: bool) -> BackendFuture<'_, ()>;
+    /// Makes every completed write durable.
+    fn flush(&self) -> BackendFuture<'_, ()>;
+    /// Discards a range; afterwards it reads as zeroes or as its old contents.
+    fn trim(&self, offset: u64, length: u64, fua: bool) -> BackendFuture<'_, ()>;
+    /// Makes a range read as zeroes.
+    fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> BackendFuture<'_, ()>;
+    /// A hint that a range will be read soon.
+    fn cache(&self, offset: u64, length: u64) -> BackendFuture<'_, ()>;
+    /// Allocation state from `offset`, covering at least one byte and at most about
+    /// `length` bytes (the last extent may run further).
+    fn extents(&self, offset: u64, length: u64) -> BackendFuture<'_, Vec<Extent>>;
+}
+
+/// Where an export's data lives, as given on the command line or in a config file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BackingSpec {
+    /// `memory:SIZE`
+    Memory { size: u64 },
+    /// A regular file or a block device.
+    Path(PathBuf),
+}
+
+impl BackingSpec {
+    /// Parses `memory:SIZE` or a path.
+    pub fn parse(text: &str) -> Result<BackingSpec, String> {
+        if let Some(size) = text.strip_prefix("memory:") {
+            let size = parse_size(size).map_err(|e| format!("bad size in {text:?}: {e}"))?;
+            if size == 0 {
+                return Err(format!("{text:?}: a memory export needs a size above zero"));
+            }
+            return Ok(BackingSpec::Memory { size });
+        }
+        if text.is_empty() {
+            return Err("the backing path is empty".to_string());
+        }
+        Ok(BackingSpec::Path(PathBuf::from(text)))
+    }
+
+    /// Opens the backing. `size` creates a missing file of that size (and must match an
+    /// existing one); `read_only` opens without write access.
+    pub fn open(&self, size: Option<u64>, read_only: bool) -> anyhow::Result<Arc<dyn Backend>> {
+        match self {
+            BackingSpec::Memory { size: mem } => {
+                if let Some(size) = size {
+                    anyhow::ensure!(size == *mem, "--size {size} does not match memory:{mem}");
+                }
+                Ok(Arc::new(memory::MemoryBackend::new(*mem, read_only)))
+            }
+            BackingSpec::Path(path) => {
+                Ok(Arc::new(file::FileBackend::open(path, size, read_only)?))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backing_specs_parse() {
+        assert_eq!(
+            BackingSpec::parse("memory:1G").unwrap(),
+            BackingSpec::Memory { size: 1 << 30 }
+        );
+        assert_eq!(
+            BackingSpec::parse("/dev/sdb").unwrap(),
+            BackingSpec::Path("/dev/sdb".into())
+        );
+        assert!(BackingSpec::parse("memory:0").is_err());
+        assert!(BackingSpec::parse("memory:lots").is_err());
+        assert!(BackingSpec::parse("").is_err());
+    }
+
+    #[test]
+    fn flags_follow_capabilities() {
+        let caps = Capabilities {
+            read_only: true,
+            flush: true,
+            fua: true,
+            trim: false,
+            write_zeroes: true,
+            fast_zero: true,
+            cache: true,
+            multi_conn: true,
+            rotational: false,
+        };
+        let flags = caps.transmission_flags(false);
+        assert_eq!(flags & tf::HAS_FLAGS, tf::HAS_FLAGS);
+        assert_eq!(flags & tf::READ_ONLY, tf::READ_ONLY);
+        assert_eq!(flags & tf::SEND_TRIM, 0);
+        assert_eq!(flags & tf::SEND_DF, 0);
+        assert_eq!(caps.transmission_flags(true) & tf::SEND_DF, tf::SEND_DF);
+        let no_zero = Capabilities {
+            write_zeroes: false,
+            ..caps
+        };
+        assert_eq!(no_zero.transmission_flags(true) & tf::SEND_FAST_ZERO, 0);
+    }
+}

@@ -1,0 +1,222 @@
+//! The `--config` TOML file: several exports and listeners served by one server.
+//!
+//! ```toml
+//! listen = ["127.0.0.1:10809", "unix:/run/netblk.sock"]
+//! handshake_timeout = "10s"
+//!
+//! [[export]]
+//! name = "disk0"
+//! backing = "/srv/disk0.img"
+//! size = "10G"            # creates the file when it is missing
+//! description = "database volume"
+//!
+//! [[export]]
+//! name = "scratch"
+//! backing = "memory:1G"
+//! read_only = false
+//! ```
+
+use std::path::Path;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::backend::BackingSpec;
+use crate::size::parse_size;
+
+/// The file as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    #[serde(default)]
+    listen: Vec<String>,
+    handshake_timeout: Option<String>,
+    #[serde(default, rename = "export")]
+    exports: Vec<RawExport>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawExport {
+    name: String,
+    backing: String,
+    #[serde(default)]
+    description: String,
+    #[serde(default)]
+    read_only: bool,
+    size: Option<String>,
+}
+
+/// One export, checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExportConfig {
+    pub name: String,
+    pub backing: BackingSpec,
+    pub description: String,
+    pub read_only: bool,
+    pub size: Option<u64>,
+}
+
+/// A checked configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    pub listen: Vec<String>,
+    pub handshake_timeout: Option<Duration>,
+    pub exports: Vec<ExportConfig>,
+}
+
+/// A configuration error that names the key at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Syntax { path: String, message: String },
+    #[error("{path}: {key}: {message}")]
+    Invalid {
+        path: String,
+        key: String,
+        message: String,
+    },
+}
+
+impl Config {
+    /// Reads and checks a configuration file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Config::parse(&text, &path.display().to_string())
+    }
+
+    /// Parses and checks configuration text; `origin` names it in errors.
+    pub fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
+        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Syntax {
+            path: origin.to_string(),
+            message: e.to_string().trim_end().to_string(),
+        })?;
+        let invalid = |key: String, message: String| ConfigError::Invalid {
+            path: origin.to_string(),
+            key,
+            message,
+        };
+        let handshake_timeout = match raw.handshake_timeout {
+            Some(text) => Some(humantime::parse_duration(&text).map_err(|e| {
+                invalid(
+                    "handshake_timeout".into(),
+                    format!("{text:?}: {e} (example: \"10s\")"),
+                )
+            })?),
+            None => None,
+        };
+        if raw.exports.is_empty() {
+            return Err(invalid(
+                "export".into(),
+                "at least one [[export]] table is needed".into(),
+            ));
+        }
+        let mut exports: Vec<ExportConfig> = Vec::new();
+        for (i, export) in raw.exports.into_iter().enumerate() {
+            let key = |field: &str| format!("export[{i}].{field}");
+            if exports.iter().any(|e| e.name == export.name) {
+                return Err(invalid(
+                    key("name"),
+                    format!("export name {:?} is used twice", export.name),
+                ));
+            }
+            if export.name.len() > crate::wire::MAX_STRING_LEN {
+                return Err(invalid(key("name"), "longer than 4096 bytes".into()));
+            }
+            let backing =
+                BackingSpec::parse(&export.backing).map_err(|e| invalid(key("backing"), e))?;
+            let size = match export.size {
+                Some(text) => Some(parse_size(&text).map_err(|e| invalid(key("size"), e))?),
+                None => None,
+            };
+            exports.push(ExportConfig {
+                name: export.name,
+                backing,
+                description: export.description,
+                read_only: export.read_only,
+                size,
+            });
+        }
+        for (i, listen) in raw.listen.iter().enumerate() {
+            crate::listen::ListenAddr::parse(listen)
+                .map_err(|e| invalid(format!("listen[{i}]"), e))?;
+        }
+        Ok(Config {
+            listen: raw.listen,
+            handshake_timeout,
+            exports,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_config_parses() {
+        let config = Config::parse(
+            r#"
+            listen = ["127.0.0.1:0", "unix:/tmp/x.sock"]
+            handshake_timeout = "3s"
+            [[export]]
+            name = "a"
+            backing = "memory:1M"
+            [[export]]
+            name = "b"
+            backing = "/tmp/b.img"
+            size = "2G"
+            read_only = true
+            description = "bee"
+            "#,
+            "test.toml",
+        )
+        .unwrap();
+        assert_eq!(config.listen.len(), 2);
+        assert_eq!(config.handshake_timeout, Some(Duration::from_secs(3)));
+        assert_eq!(
+            config.exports[0].backing,
+            BackingSpec::Memory { size: 1 << 20 }
+        );
+        assert_eq!(config.exports[1].size, Some(2 << 30));
+        assert!(config.exports[1].read_only);
+    }
+
+    fn error_of(text: &str) -> String {
+        Config::parse(text, "t.toml").unwrap_err().to_string()
+    }
+
+    #[test]
+    fn errors_name_the_key_and_why() {
+        let e = error_of("[[export]]\nname = \"a\"\nbacking = \"memory:1M\"\ncolour = 1\n");
+        assert!(e.contains("colour"), "{e}");
+        let e = error_of("[[export]]\nname = \"a\"\nbacking = \"memory:lots\"\n");
+        assert!(
+            e.contains("export[0].backing") && e.contains("not a size"),
+            "{e}"
+        );
+        let e = error_of("[[export]]\nname = \"a\"\nbacking = \"/x\"\nsize = \"1Q\"\n");
+        assert!(e.contains("export[0].size"), "{e}");
+        let e = error_of("[[export]]\nname = \"a\"\nbacking = \"memory:1M\"\n[[export]]\nname = \"a\"\nbacking = \"memory:1M\"\n");
+        assert!(e.contains("export[1].name") && e.contains("twice"), "{e}");
+        let e =
+            error_of("listen = [\"nowhere\"]\n[[export]]\nname = \"a\"\nbacking = \"memory:1M\"\n");
+        assert!(e.contains("listen[0]"), "{e}");
+        let e = error_of(
+            "handshake_timeout = \"soon\"\n[[export]]\nname = \"a\"\nbacking = \"memory:1M\"\n",
+        );
+        assert!(e.contains("handshake_timeout"), "{e}");
+        let e = error_of("listen = []\n");
+        assert!(e.contains("export"), "{e}");
+        let e = error_of("[[export]]\nname = 5\nbacking = \"memory:1M\"\n");
+        assert!(e.contains("name"), "{e}");
+    }
+}

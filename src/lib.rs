@@ -1,0 +1,24 @@
+//! netblk: a network block device in user space that speaks the standard NBD protocol,
+//! so the Linux kernel driver, qemu, libnbd's tools and fio use it unchanged.
+//!
+//! # Layout
+//! - [`wire`]: the NBD wire format (handshake, requests, replies), pure encode/decode.
+//! - [`server`]: listeners, option haggling ([`server::handshake`]), edge validation
+//!   ([`server::validate`]) and the per-connection pipeline ([`server::transmission`]);
+//!   [`server::serve`] is the entry point.
+//! - [`backend`]: the [`backend::Backend`] trait every export goes through, with the
+//!   sparse [`backend::memory`] and the [`backend::file`] (file or block device) engines.
+//! - [`config`]: the TOML file for several exports; [`listen`]: listen addresses.
+//! - [`size`]: `512K`/`1G`-style sizes; [`fuzzing`]: entry points for the fuzz targets.
+//!
+//! The `netblk` binary (`src/main.rs`) is only the command line around [`server::serve`].
+
+#![forbid(unsafe_code)]
+
+pub mod backend;
+pub mod config;
+pub mod fuzzing;
+pub mod listen;
+pub mod server;
+pub mod size;
+pub mod wire;

@@ -1,0 +1,198 @@
+//! The `netblk` command line: parses options, sets up logging, binds listeners and hands
+//! over to `netblk::server::serve`.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::{Parser, Subcommand};
+use netblk::backend::BackingSpec;
+use netblk::config::{Config, ExportConfig};
+use netblk::listen::ListenAddr;
+use netblk::server::{serve, Export, ServerConfig};
+use netblk::size::parse_size;
+
+/// A network block device in user space: exports files, block devices or memory over the
+/// standard NBD protocol, so qemu, the kernel nbd driver, libnbd tools and fio use it as is.
+#[derive(Parser)]
+#[command(name = "netblk", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Commands,
+}
+
+#[derive(Subcommand)]
+enum Commands {
+    /// Export storage over NBD.
+    ///
+    /// Examples:
+    ///   netblk serve memory:1G
+    ///   netblk serve --listen 127.0.0.1:10809 --listen unix:/tmp/nbd.sock --size 10G disk.img
+    ///   netblk serve --config exports.toml
+    ///
+    /// Then: qemu-img info nbd://127.0.0.1:10809, nbdinfo nbd://127.0.0.1:10809,
+    /// fio --ioengine=nbd --uri=nbd://127.0.0.1:10809 ...
+    #[command(verbatim_doc_comment)]
+    Serve(ServeArgs),
+}
+
+#[derive(Parser)]
+struct ServeArgs {
+    /// What to export: a file or block device path, or memory:SIZE (sizes take K, M, G, T
+    /// suffixes, powers of 1024). Example: memory:1G
+    #[arg(value_name = "BACKING", required_unless_present = "config")]
+    backing: Option<String>,
+
+    /// Where to listen: HOST:PORT (IPv4 or [IPv6]) or unix:PATH. Repeat for several.
+    /// Default 127.0.0.1:10809. Example: --listen [::1]:10809 --listen unix:/tmp/nbd.sock
+    #[arg(long, value_name = "ADDR")]
+    listen: Vec<String>,
+
+    /// Export name clients ask for (the default export is ""). Example: --name disk0
+    #[arg(long, default_value = "")]
+    name: String,
+
+    /// Description shown by nbdinfo and NBD_OPT_LIST. Example: --description "scratch disk"
+    #[arg(long, default_value = "")]
+    description: String,
+
+    /// Refuse writes, trims and zeroing with EPERM, and open the backing read-only.
+    #[arg(long)]
+    read_only: bool,
+
+    /// Size of the export: creates a sparse file of this size when the file does not exist;
+    /// an existing file must already have it (it is never truncated). Example: --size 10G
+    #[arg(long, value_name = "SIZE")]
+    size: Option<String>,
+
+    /// A TOML file describing several exports (and listeners); see README.md.
+    /// Example: --config /etc/netblk/exports.toml
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["backing", "name", "description", "read_only", "size"])]
+    config: Option<PathBuf>,
+
+    /// Disconnect clients that have not finished the handshake after this long.
+    /// Example: --handshake-timeout 30s
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    handshake_timeout: Option<Duration>,
+}
+
+const DEFAULT_LISTEN: &str = "127.0.0.1:10809";
+const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("NETBLK_LOG")
+                .unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let result = match cli.command {
+        Commands::Serve(args) => run_serve(args),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("netblk: error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
+    let (exports, mut listen, timeout) = match &args.config {
+        Some(path) => {
+            let config = Config::load(path)?;
+            (config.exports, config.listen, config.handshake_timeout)
+        }
+        None => {
+            let backing = args
+                .backing
+                .as_deref()
+                .expect("clap requires BACKING without --config");
+            let backing = BackingSpec::parse(backing).map_err(anyhow::Error::msg)?;
+            let size = args
+                .size
+                .as_deref()
+                .map(parse_size)
+                .transpose()
+                .map_err(anyhow::Error::msg)?;
+            let export = ExportConfig {
+                name: args.name.clone(),
+                backing,
+                description: args.description.clone(),
+                read_only: args.read_only,
+                size,
+            };
+            (vec![export], Vec::new(), None)
+        }
+    };
+    if !args.listen.is_empty() {
+        listen = args.listen.clone();
+    }
+    if listen.is_empty() {
+        listen.push(DEFAULT_LISTEN.to_string());
+    }
+    let addrs = listen
+        .iter()
+        .map(|l| ListenAddr::parse(l).map_err(|e| anyhow::anyhow!("--listen {e}")))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let mut opened = Vec::new();
+    for export in exports {
+        let backend = export
+            .backing
+            .open(export.size, export.read_only)
+            .with_context(|| format!("export {:?}", export.name))?;
+        opened.push(Arc::new(Export {
+            name: export.name,
+            description: export.description,
+            backend,
+        }));
+    }
+    let handshake_timeout = args
+        .handshake_timeout
+        .or(timeout)
+        .unwrap_or(DEFAULT_HANDSHAKE_TIMEOUT);
+    if handshake_timeout.is_zero() {
+        bail!("--handshake-timeout must be above zero");
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting tokio")?;
+    runtime.block_on(async move {
+        let mut listeners = Vec::new();
+        for addr in &addrs {
+            listeners.push(addr.bind().await?);
+        }
+        let mut stdout = std::io::stdout().lock();
+        for listener in &listeners {
+            writeln!(stdout, "listening on {}", listener.describe())?;
+        }
+        stdout.flush()?;
+        drop(stdout);
+        let config = ServerConfig {
+            exports: opened,
+            handshake_timeout,
+        };
+        serve(listeners, config, shutdown_signal()).await
+    })
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut int), Ok(mut term)) = (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) else {
+        tracing::error!("cannot install signal handlers; stop with SIGKILL");
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = int.recv() => tracing::info!("SIGINT received"),
+        _ = term.recv() => tracing::info!("SIGTERM received"),
+    }
+}

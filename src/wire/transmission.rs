@@ -1,0 +1,536 @@
+//! Transmission-phase messages: request headers (compact and extended) and replies
+//! (simple, structured and extended chunks). Pure encode and decode, no I/O.
+//!
+//! Reply payloads (read data) are never copied by the encoders: they produce the header
+//! bytes, and the caller sends the data beside them in one vectored write.
+
+use super::{
+    cmd_flags, reply, NbdError, EXTENDED_REPLY_MAGIC, EXTENDED_REQUEST_MAGIC, REQUEST_MAGIC,
+    SIMPLE_REPLY_MAGIC, STRUCTURED_REPLY_MAGIC,
+};
+
+/// Length of a compact request header.
+pub const COMPACT_REQUEST_LEN: usize = 28;
+/// Length of an extended request header.
+pub const EXTENDED_REQUEST_LEN: usize = 32;
+/// Length of a simple reply header.
+pub const SIMPLE_REPLY_LEN: usize = 16;
+/// Length of a structured reply chunk header.
+pub const STRUCTURED_REPLY_LEN: usize = 20;
+/// Length of an extended reply chunk header.
+pub const EXTENDED_REPLY_LEN: usize = 32;
+
+/// Which request header the client sends: fixed by whether extended headers were negotiated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestStyle {
+    Compact,
+    Extended,
+}
+
+impl RequestStyle {
+    pub fn header_len(self) -> usize {
+        match self {
+            RequestStyle::Compact => COMPACT_REQUEST_LEN,
+            RequestStyle::Extended => EXTENDED_REQUEST_LEN,
+        }
+    }
+}
+
+/// Which reply format the server uses: fixed by negotiation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplyStyle {
+    Simple,
+    Structured,
+    Extended,
+}
+
+/// A request header as it arrived.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestHeader {
+    pub flags: u16,
+    pub command: u16,
+    pub cookie: u64,
+    pub offset: u64,
+    /// Effect length, or payload length for writes (and for any extended request with
+    /// `NBD_CMD_FLAG_PAYLOAD_LEN`).
+    pub length: u64,
+}
+
+/// A request stream that cannot be parsed: the connection must close.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RequestError {
+    #[error("bad request magic {0:#010x}")]
+    BadMagic(u32),
+}
+
+impl RequestHeader {
+    /// Decodes a header from the front of `bytes`; `Ok(None)` when more bytes are needed.
+    pub fn decode(
+        bytes: &[u8],
+        style: RequestStyle,
+    ) -> Result<Option<RequestHeader>, RequestError> {
+        let len = style.header_len();
+        if bytes.len() < len {
+            return Ok(None);
+        }
+        let be32 = |at: usize| u32::from_be_bytes(bytes[at..at + 4].try_into().expect("4 bytes"));
+        let be64 = |at: usize| u64::from_be_bytes(bytes[at..at + 8].try_into().expect("8 bytes"));
+        let magic = be32(0);
+        let expected = match style {
+            RequestStyle::Compact => REQUEST_MAGIC,
+            RequestStyle::Extended => EXTENDED_REQUEST_MAGIC,
+        };
+        if magic != expected {
+            return Err(RequestError::BadMagic(magic));
+        }
+        let flags = u16::from_be_bytes([bytes[4], bytes[5]]);
+        let command = u16::from_be_bytes([bytes[6], bytes[7]]);
+        let cookie = be64(8);
+        let offset = be64(16);
+        let length = match style {
+            RequestStyle::Compact => u64::from(be32(24)),
+            RequestStyle::Extended => be64(24),
+        };
+        Ok(Some(RequestHeader {
+            flags,
+            command,
+            cookie,
+            offset,
+            length,
+        }))
+    }
+
+    /// Encodes the header as a client sends it. In the compact style the length must fit
+    /// in 32 bits.
+    pub fn encode(&self, style: RequestStyle) -> Vec<u8> {
+        let mut out = Vec::with_capacity(style.header_len());
+        let magic = match style {
+            RequestStyle::Compact => REQUEST_MAGIC,
+            RequestStyle::Extended => EXTENDED_REQUEST_MAGIC,
+        };
+        out.extend_from_slice(&magic.to_be_bytes());
+        out.extend_from_slice(&self.flags.to_be_bytes());
+        out.extend_from_slice(&self.command.to_be_bytes());
+        out.extend_from_slice(&self.cookie.to_be_bytes());
+        out.extend_from_slice(&self.offset.to_be_bytes());
+        match style {
+            RequestStyle::Compact => {
+                let length = u32::try_from(self.length).expect("compact length fits in 32 bits");
+                out.extend_from_slice(&length.to_be_bytes());
+            }
+            RequestStyle::Extended => out.extend_from_slice(&self.length.to_be_bytes()),
+        }
+        out
+    }
+
+    /// How many payload bytes follow this header on the wire. A WRITE always carries its
+    /// payload: the extension asks extended-header clients to also set `PAYLOAD_LEN`, but
+    /// qemu (10.x) does not, and qemu-nbd accepts it either way, so this server does too.
+    pub fn payload_len(&self, style: RequestStyle) -> u64 {
+        match style {
+            _ if self.command == super::cmd::WRITE => self.length,
+            RequestStyle::Compact => 0,
+            RequestStyle::Extended if self.flags & cmd_flags::PAYLOAD_LEN != 0 => self.length,
+            RequestStyle::Extended => 0,
+        }
+    }
+}
+
+fn chunk_header(
+    out: &mut Vec<u8>,
+    style: ReplyStyle,
+    flags: u16,
+    kind: u16,
+    cookie: u64,
+    offset: u64,
+    len: u64,
+) {
+    match style {
+        ReplyStyle::Simple => {
+            unreachable!("chunks are only sent when structured replies were negotiated")
+        }
+        ReplyStyle::Structured => {
+            out.extend_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
+            out.extend_from_slice(&flags.to_be_bytes());
+            out.extend_from_slice(&kind.to_be_bytes());
+            out.extend_from_slice(&cookie.to_be_bytes());
+            let len = u32::try_from(len).expect("structured chunk payload fits in 32 bits");
+            out.extend_from_slice(&len.to_be_bytes());
+        }
+        ReplyStyle::Extended => {
+            out.extend_from_slice(&EXTENDED_REPLY_MAGIC.to_be_bytes());
+            out.extend_from_slice(&flags.to_be_bytes());
+            out.extend_from_slice(&kind.to_be_bytes());
+            out.extend_from_slice(&cookie.to_be_bytes());
+            out.extend_from_slice(&offset.to_be_bytes());
+            out.extend_from_slice(&len.to_be_bytes());
+        }
+    }
+}
+
+fn simple_header(out: &mut Vec<u8>, error: u32, cookie: u64) {
+    out.extend_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
+    out.extend_from_slice(&error.to_be_bytes());
+    out.extend_from_slice(&cookie.to_be_bytes());
+}
+
+/// Encodes the replies the server sends. `offset` is always the request's offset (the
+/// extended reply header echoes it).
+#[derive(Debug, Clone, Copy)]
+pub struct ReplyEncoder {
+    pub style: ReplyStyle,
+    pub cookie: u64,
+    pub offset: u64,
+}
+
+impl ReplyEncoder {
+    /// A success without payload: a simple reply, or a `NONE` chunk marked done.
+    pub fn ok(&self, out: &mut Vec<u8>) {
+        match self.style {
+            ReplyStyle::Simple => simple_header(out, 0, self.cookie),
+            style => chunk_header(
+                out,
+                style,
+                reply::FLAG_DONE,
+                reply::TYPE_NONE,
+                self.cookie,
+                self.offset,
+                0,
+            ),
+        }
+    }
+
+    /// A failure: a simple reply with the error, or an `ERROR` chunk marked done.
+    pub fn error(&self, out: &mut Vec<u8>, error: NbdError, message: &str) {
+        match self.style {
+            ReplyStyle::Simple => simple_header(out, error.code(), self.cookie),
+            style => {
+                let message = &message.as_bytes()[..message.len().min(super::MAX_STRING_LEN)];
+                let len = 6 + message.len() as u64;
+                chunk_header(
+                    out,
+                    style,
+                    reply::FLAG_DONE,
+                    reply::TYPE_ERROR,
+                    self.cookie,
+                    self.offset,
+                    len,
+                );
+                out.extend_from_slice(&error.code().to_be_bytes());
+                out.extend_from_slice(&(message.len() as u16).to_be_bytes());
+                out.extend_from_slice(message);
+            }
+        }
+    }
+
+    /// The header in front of read data. For simple replies this is the whole reply header
+    /// and `data_len` bytes follow; for chunks it is an `OFFSET_DATA` header and its 8-byte
+    /// offset, and `data_len` bytes of data follow.
+    pub fn data_header(&self, out: &mut Vec<u8>, data_offset: u64, data_len: u64, done: bool) {
+        match self.style {
+            ReplyStyle::Simple => simple_header(out, 0, self.cookie),
+            style => {
+                let flags = if done { reply::FLAG_DONE } else { 0 };
+                chunk_header(
+                    out,
+                    style,
+                    flags,
+                    reply::TYPE_OFFSET_DATA,
+                    self.cookie,
+                    self.offset,
+                    8 + data_len,
+                );
+                out.extend_from_slice(&data_offset.to_be_bytes());
+            }
+        }
+    }
+
+    /// An `OFFSET_HOLE` chunk: `len` bytes at `hole_offset` read as zeroes.
+    pub fn hole(&self, out: &mut Vec<u8>, hole_offset: u64, len: u32, done: bool) {
+        let flags = if done { reply::FLAG_DONE } else { 0 };
+        chunk_header(
+            out,
+            self.style,
+            flags,
+            reply::TYPE_OFFSET_HOLE,
+            self.cookie,
+            self.offset,
+            12,
+        );
+        out.extend_from_slice(&hole_offset.to_be_bytes());
+        out.extend_from_slice(&len.to_be_bytes());
+    }
+
+    /// A block-status chunk for one context: `BLOCK_STATUS` (32-bit) with structured
+    /// replies, `BLOCK_STATUS_EXT` (64-bit) with extended headers.
+    pub fn block_status(
+        &self,
+        out: &mut Vec<u8>,
+        context_id: u32,
+        extents: &[(u64, u32)],
+        done: bool,
+    ) {
+        let flags = if done { reply::FLAG_DONE } else { 0 };
+        match self.style {
+            ReplyStyle::Simple => unreachable!("block status needs structured replies"),
+            ReplyStyle::Structured => {
+                let len = 4 + 8 * extents.len() as u64;
+                chunk_header(
+                    out,
+                    self.style,
+                    flags,
+                    reply::TYPE_BLOCK_STATUS,
+                    self.cookie,
+                    self.offset,
+                    len,
+                );
+                out.extend_from_slice(&context_id.to_be_bytes());
+                for &(length, status) in extents {
+                    let length = u32::try_from(length).expect("caller caps extents at 32 bits");
+                    out.extend_from_slice(&length.to_be_bytes());
+                    out.extend_from_slice(&status.to_be_bytes());
+                }
+            }
+            ReplyStyle::Extended => {
+                let len = 8 + 16 * extents.len() as u64;
+                chunk_header(
+                    out,
+                    self.style,
+                    flags,
+                    reply::TYPE_BLOCK_STATUS_EXT,
+                    self.cookie,
+                    self.offset,
+                    len,
+                );
+                out.extend_from_slice(&context_id.to_be_bytes());
+                out.extend_from_slice(&(extents.len() as u32).to_be_bytes());
+                for &(length, status) in extents {
+                    out.extend_from_slice(&length.to_be_bytes());
+                    out.extend_from_slice(&u64::from(status).to_be_bytes());
+                }
+            }
+        }
+    }
+}
+
+/// A reply header as a client decodes it (used by tests and by the fuzz harness).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DecodedReply {
+    Simple {
+        error: u32,
+        cookie: u64,
+    },
+    Chunk {
+        flags: u16,
+        kind: u16,
+        cookie: u64,
+        offset: Option<u64>,
+        payload_len: u64,
+    },
+}
+
+impl DecodedReply {
+    /// Decodes a reply header from the front of `bytes`: `Ok(None)` when more bytes are
+    /// needed, else the header and its length. Simple-reply payloads are not framed, so
+    /// the caller skips read data itself.
+    pub fn decode(bytes: &[u8]) -> Result<Option<(DecodedReply, usize)>, &'static str> {
+        if bytes.len() < 4 {
+            return Ok(None);
+        }
+        let be16 = |at: usize| u16::from_be_bytes([bytes[at], bytes[at + 1]]);
+        let be32 = |at: usize| u32::from_be_bytes(bytes[at..at + 4].try_into().expect("4 bytes"));
+        let be64 = |at: usize| u64::from_be_bytes(bytes[at..at + 8].try_into().expect("8 bytes"));
+        match be32(0) {
+            SIMPLE_REPLY_MAGIC if bytes.len() >= SIMPLE_REPLY_LEN => Ok(Some((
+                DecodedReply::Simple {
+                    error: be32(4),
+                    cookie: be64(8),
+                },
+                SIMPLE_REPLY_LEN,
+            ))),
+            STRUCTURED_REPLY_MAGIC if bytes.len() >= STRUCTURED_REPLY_LEN => Ok(Some((
+                DecodedReply::Chunk {
+                    flags: be16(4),
+                    kind: be16(6),
+                    cookie: be64(8),
+                    offset: None,
+                    payload_len: u64::from(be32(16)),
+                },
+                STRUCTURED_REPLY_LEN,
+            ))),
+            EXTENDED_REPLY_MAGIC if bytes.len() >= EXTENDED_REPLY_LEN => Ok(Some((
+                DecodedReply::Chunk {
+                    flags: be16(4),
+                    kind: be16(6),
+                    cookie: be64(8),
+                    offset: Some(be64(16)),
+                    payload_len: be64(24),
+                },
+                EXTENDED_REPLY_LEN,
+            ))),
+            SIMPLE_REPLY_MAGIC | STRUCTURED_REPLY_MAGIC | EXTENDED_REPLY_MAGIC => Ok(None),
+            _ => Err("bad reply magic"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::cmd;
+    use proptest::prelude::*;
+
+    fn style() -> impl Strategy<Value = RequestStyle> {
+        prop_oneof![Just(RequestStyle::Compact), Just(RequestStyle::Extended)]
+    }
+
+    proptest! {
+        #[test]
+        fn every_request_round_trips(style in style(), flags in any::<u16>(), command in any::<u16>(),
+                                     cookie in any::<u64>(), offset in any::<u64>(), length in any::<u32>(),
+                                     high in any::<u32>()) {
+            let length = match style {
+                RequestStyle::Compact => u64::from(length),
+                RequestStyle::Extended => (u64::from(high) << 32) | u64::from(length),
+            };
+            let header = RequestHeader { flags, command, cookie, offset, length };
+            let bytes = header.encode(style);
+            prop_assert_eq!(bytes.len(), style.header_len());
+            prop_assert_eq!(RequestHeader::decode(&bytes, style).unwrap(), Some(header));
+            // Any prefix is "need more", never an error.
+            prop_assert_eq!(RequestHeader::decode(&bytes[..bytes.len() - 1], style).unwrap(), None);
+        }
+
+        #[test]
+        fn wrong_magic_is_an_error(style in style(), magic in any::<u32>(), rest in proptest::collection::vec(any::<u8>(), 28)) {
+            prop_assume!(magic != REQUEST_MAGIC && magic != EXTENDED_REQUEST_MAGIC);
+            let mut bytes = magic.to_be_bytes().to_vec();
+            bytes.extend_from_slice(&rest);
+            prop_assert_eq!(RequestHeader::decode(&bytes, style), Err(RequestError::BadMagic(magic)));
+        }
+
+        #[test]
+        fn data_chunks_round_trip(cookie in any::<u64>(), offset in any::<u64>(), data_offset in any::<u64>(),
+                                  len in 0u64..(1 << 25), done in any::<bool>(), extended in any::<bool>()) {
+            let style = if extended { ReplyStyle::Extended } else { ReplyStyle::Structured };
+            let enc = ReplyEncoder { style, cookie, offset };
+            let mut out = Vec::new();
+            enc.data_header(&mut out, data_offset, len, done);
+            let (decoded, used) = DecodedReply::decode(&out).unwrap().unwrap();
+            prop_assert_eq!(used + 8, out.len());
+            prop_assert_eq!(decoded, DecodedReply::Chunk {
+                flags: if done { reply::FLAG_DONE } else { 0 },
+                kind: reply::TYPE_OFFSET_DATA,
+                cookie,
+                offset: extended.then_some(offset),
+                payload_len: len + 8,
+            });
+            prop_assert_eq!(&out[used..], &data_offset.to_be_bytes()[..]);
+        }
+
+        #[test]
+        fn errors_round_trip(cookie in any::<u64>(), message in "[a-z ]{0,50}", style_index in 0usize..3) {
+            let style = [ReplyStyle::Simple, ReplyStyle::Structured, ReplyStyle::Extended][style_index];
+            let enc = ReplyEncoder { style, cookie, offset: 7 };
+            let mut out = Vec::new();
+            enc.error(&mut out, NbdError::NoSpc, &message);
+            let (decoded, used) = DecodedReply::decode(&out).unwrap().unwrap();
+            match decoded {
+                DecodedReply::Simple { error, cookie: c } => {
+                    prop_assert_eq!(error, 28);
+                    prop_assert_eq!(c, cookie);
+                    prop_assert_eq!(used, out.len());
+                }
+                DecodedReply::Chunk { flags, kind, cookie: c, payload_len, .. } => {
+                    prop_assert_eq!(flags, reply::FLAG_DONE);
+                    prop_assert_eq!(kind, reply::TYPE_ERROR);
+                    prop_assert_eq!(c, cookie);
+                    prop_assert_eq!(payload_len as usize, out.len() - used);
+                    prop_assert_eq!(&out[used..used + 4], &28u32.to_be_bytes()[..]);
+                    let mlen = u16::from_be_bytes([out[used + 4], out[used + 5]]) as usize;
+                    prop_assert_eq!(&out[used + 6..used + 6 + mlen], message.as_bytes());
+                }
+            }
+        }
+
+        #[test]
+        fn block_status_lengths_match(extents in proptest::collection::vec((1u64..u32::MAX as u64, 0u32..4), 1..20),
+                                      extended in any::<bool>()) {
+            let style = if extended { ReplyStyle::Extended } else { ReplyStyle::Structured };
+            let enc = ReplyEncoder { style, cookie: 1, offset: 0 };
+            let mut out = Vec::new();
+            enc.block_status(&mut out, 1, &extents, true);
+            let (decoded, used) = DecodedReply::decode(&out).unwrap().unwrap();
+            let DecodedReply::Chunk { kind, payload_len, .. } = decoded else { panic!("chunk expected") };
+            prop_assert_eq!(payload_len as usize, out.len() - used);
+            if extended {
+                prop_assert_eq!(kind, reply::TYPE_BLOCK_STATUS_EXT);
+                prop_assert_eq!(payload_len, 8 + 16 * extents.len() as u64);
+            } else {
+                prop_assert_eq!(kind, reply::TYPE_BLOCK_STATUS);
+                prop_assert_eq!(payload_len, 4 + 8 * extents.len() as u64);
+            }
+        }
+
+        #[test]
+        fn decoding_garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
+            let _ = DecodedReply::decode(&bytes);
+            let _ = RequestHeader::decode(&bytes, RequestStyle::Compact);
+            let _ = RequestHeader::decode(&bytes, RequestStyle::Extended);
+        }
+    }
+
+    #[test]
+    fn payload_length_depends_on_style_and_flag() {
+        let write = RequestHeader {
+            flags: 0,
+            command: cmd::WRITE,
+            cookie: 0,
+            offset: 0,
+            length: 512,
+        };
+        assert_eq!(write.payload_len(RequestStyle::Compact), 512);
+        assert_eq!(write.payload_len(RequestStyle::Extended), 512);
+        let ext_write = RequestHeader {
+            flags: cmd_flags::PAYLOAD_LEN,
+            ..write
+        };
+        assert_eq!(ext_write.payload_len(RequestStyle::Extended), 512);
+        let trim = RequestHeader {
+            command: cmd::TRIM,
+            ..write
+        };
+        assert_eq!(trim.payload_len(RequestStyle::Compact), 0);
+    }
+
+    #[test]
+    fn simple_ok_is_sixteen_bytes() {
+        let mut out = Vec::new();
+        ReplyEncoder {
+            style: ReplyStyle::Simple,
+            cookie: 9,
+            offset: 0,
+        }
+        .ok(&mut out);
+        assert_eq!(out.len(), 16);
+        assert_eq!(
+            DecodedReply::decode(&out).unwrap().unwrap().0,
+            DecodedReply::Simple {
+                error: 0,
+                cookie: 9
+            }
+        );
+    }
+
+    #[test]
+    fn hole_chunk_is_twelve_bytes_of_payload() {
+        let mut out = Vec::new();
+        ReplyEncoder {
+            style: ReplyStyle::Structured,
+            cookie: 1,
+            offset: 0,
+        }
+        .hole(&mut out, 4096, 8192, true);
+        assert_eq!(out.len(), STRUCTURED_REPLY_LEN + 12);
+    }
+}

@@ -90,6 +90,152 @@ pub fn requests(data: &[u8]) {
     run_connection(input);
 }
 
+/// Seed inputs for both targets, built with the library's own codec: (target, name, bytes).
+/// `NETBLK_WRITE_CORPUS=1 cargo test seed_corpus` writes them under `fuzz/corpus`.
+pub fn seed_corpus() -> Vec<(&'static str, String, Vec<u8>)> {
+    use crate::wire::transmission::{RequestHeader, RequestStyle};
+    use crate::wire::{cmd, cmd_flags, info};
+    let flags = (client_flags::FIXED_NEWSTYLE | client_flags::NO_ZEROES)
+        .to_be_bytes()
+        .to_vec();
+    let go = |name: &str| {
+        ClientOption::Go(InfoRequest {
+            name: name.into(),
+            requests: vec![info::NAME, info::DESCRIPTION, info::BLOCK_SIZE],
+        })
+        .encode()
+    };
+    let meta = |set: bool| {
+        let request = MetaContextRequest {
+            export: String::new(),
+            queries: vec![BASE_ALLOCATION.into(), "base:".into()],
+        };
+        if set {
+            ClientOption::SetMetaContext(request)
+        } else {
+            ClientOption::ListMetaContext(request)
+        }
+        .encode()
+    };
+    let cat = |parts: &[Vec<u8>]| parts.concat();
+    let mut seeds = vec![
+        ("handshake", "go".to_string(), cat(&[flags.clone(), go("")])),
+        (
+            "handshake",
+            "list-abort".into(),
+            cat(&[
+                flags.clone(),
+                ClientOption::List.encode(),
+                ClientOption::Abort.encode(),
+            ]),
+        ),
+        (
+            "handshake",
+            "structured-meta-info-go".into(),
+            cat(&[
+                flags.clone(),
+                ClientOption::StructuredReply.encode(),
+                meta(false),
+                meta(true),
+                ClientOption::Info(InfoRequest {
+                    name: String::new(),
+                    requests: vec![],
+                })
+                .encode(),
+                go(""),
+            ]),
+        ),
+        (
+            "handshake",
+            "export-name".into(),
+            cat(&[
+                flags.clone(),
+                ClientOption::ExportName(String::new()).encode(),
+            ]),
+        ),
+        (
+            "handshake",
+            "extended-go".into(),
+            cat(&[
+                flags.clone(),
+                ClientOption::ExtendedHeaders.encode(),
+                meta(true),
+                go(""),
+            ]),
+        ),
+        (
+            "handshake",
+            "unknown-then-go".into(),
+            cat(&[
+                flags.clone(),
+                ClientOption::Unknown(99).encode(),
+                go("nope"),
+                go(""),
+            ]),
+        ),
+        (
+            "handshake",
+            "malformed-go".into(),
+            cat(&[
+                flags.clone(),
+                vec![
+                    0x49, 0x48, 0x41, 0x56, 0x45, 0x4f, 0x50, 0x54, 0, 0, 0, 7, 0, 0, 0, 5, 0, 0,
+                    0, 9, b'x',
+                ],
+            ]),
+        ),
+    ];
+    for mode in 0u8..3 {
+        let style = if mode == 2 {
+            RequestStyle::Extended
+        } else {
+            RequestStyle::Compact
+        };
+        let request = |command: u16, flags: u16, cookie: u64, offset: u64, length: u64| {
+            RequestHeader {
+                flags,
+                command,
+                cookie,
+                offset,
+                length,
+            }
+            .encode(style)
+        };
+        let mut stream = vec![mode];
+        let write_flags = if mode == 2 { cmd_flags::PAYLOAD_LEN } else { 0 };
+        stream.extend(request(cmd::WRITE, write_flags, 1, 4096, 512));
+        stream.extend(vec![0xa5; 512]);
+        stream.extend(request(cmd::READ, 0, 2, 4096, 512));
+        stream.extend(request(cmd::WRITE, write_flags | cmd_flags::FUA, 3, 0, 16));
+        stream.extend(vec![0x5a; 16]);
+        stream.extend(request(cmd::FLUSH, 0, 4, 0, 0));
+        stream.extend(request(cmd::TRIM, 0, 5, 0, 65536));
+        stream.extend(request(
+            cmd::WRITE_ZEROES,
+            cmd_flags::NO_HOLE,
+            6,
+            8192,
+            8192,
+        ));
+        stream.extend(request(cmd::CACHE, 0, 7, 0, 4096));
+        if mode != 0 {
+            stream.extend(request(
+                cmd::BLOCK_STATUS,
+                cmd_flags::REQ_ONE,
+                8,
+                0,
+                1 << 20,
+            ));
+            stream.extend(request(cmd::READ, cmd_flags::DF, 9, 0, 200_000));
+        }
+        stream.extend(request(cmd::READ, 0, 10, FUZZ_EXPORT_SIZE - 1, 2));
+        stream.extend(request(42, 0, 11, 0, 0));
+        stream.extend(request(cmd::DISC, 0, 12, 0, 0));
+        seeds.push(("requests", format!("session-mode{mode}"), stream));
+    }
+    seeds
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -105,6 +251,25 @@ mod tests {
             }
         }
         inputs
+    }
+
+    #[test]
+    fn seed_corpus_is_committed() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus");
+        for (target, name, bytes) in seed_corpus() {
+            let path = root.join(target).join(format!("seed-{name}"));
+            if std::env::var_os("NETBLK_WRITE_CORPUS").is_some() {
+                std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+                std::fs::write(&path, &bytes).unwrap();
+            }
+            let committed = std::fs::read(&path).unwrap_or_default();
+            assert_eq!(
+                committed,
+                bytes,
+                "{} is stale: run NETBLK_WRITE_CORPUS=1 cargo test seed_corpus",
+                path.display()
+            );
+        }
     }
 
     #[test]

@@ -164,6 +164,9 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         .build()
         .context("starting tokio")?;
     runtime.block_on(async move {
+        // Handlers go in before "listening on" is printed, so a signal sent as soon as the
+        // server reports ready is never taken with the default (fatal) action.
+        let shutdown = shutdown_signal()?;
         let mut listeners = Vec::new();
         for addr in &addrs {
             listeners.push(addr.bind().await?);
@@ -178,21 +181,19 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
             exports: opened,
             handshake_timeout,
         };
-        serve(listeners, config, shutdown_signal()).await
+        serve(listeners, config, shutdown).await
     })
 }
 
-async fn shutdown_signal() {
+/// A future that completes on SIGINT or SIGTERM; the handlers are installed at once.
+fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
     use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut int), Ok(mut term)) = (
-        signal(SignalKind::interrupt()),
-        signal(SignalKind::terminate()),
-    ) else {
-        tracing::error!("cannot install signal handlers; stop with SIGKILL");
-        return std::future::pending().await;
-    };
-    tokio::select! {
-        _ = int.recv() => tracing::info!("SIGINT received"),
-        _ = term.recv() => tracing::info!("SIGTERM received"),
-    }
+    let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    Ok(async move {
+        tokio::select! {
+            _ = int.recv() => tracing::info!("SIGINT received"),
+            _ = term.recv() => tracing::info!("SIGTERM received"),
+        }
+    })
 }

@@ -157,15 +157,21 @@ async fn accept(listener: &Listener) -> std::io::Result<(Box<dyn Stream>, String
 pub async fn handle_connection<S: Stream>(
     mut stream: S,
     config: Arc<ServerConfig>,
-    stop: watch::Receiver<bool>,
+    mut stop: watch::Receiver<bool>,
     alive: mpsc::Sender<()>,
 ) {
-    let negotiated = match tokio::time::timeout(
+    let handshake = tokio::time::timeout(
         config.handshake_timeout,
         handshake::negotiate(&mut stream, &config.exports),
-    )
-    .await
-    {
+    );
+    let negotiated = tokio::select! {
+        _ = stop.wait_for(|s| *s) => {
+            tracing::debug!("server stopping during the handshake: closing");
+            return;
+        }
+        result = handshake => result,
+    };
+    let negotiated = match negotiated {
         Err(_) => {
             warn!(
                 "handshake not finished within {:?}: closing",

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Runs every netblk test on a fresh Debian 12 machine: installs the real NBD clients the
+# integration tests drive when they are missing, checks formatting and lints, runs the
+# unit, property and integration tests, then a short run of each fuzz target.
+#
+#   scripts/test.sh                      # everything
+#   NETBLK_FUZZ_SECONDS=0 scripts/test.sh   # skip the fuzz run (the corpus is still
+#                                           # replayed by cargo test)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+fuzz_seconds=${NETBLK_FUZZ_SECONDS:-30}
+
+# Debian packages: the clients (qemu-img/qemu-io, nbdinfo/nbdcopy/nbdsh/nbdfuse, python
+# libnbd, fio), FUSE, ext4 tools and losetup for the file-system test.
+packages=(qemu-utils libnbd-bin python3-libnbd fio fuse3 e2fsprogs util-linux)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "== installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  # qemu 10 (extended headers) comes from bookworm-backports where that is configured.
+  if [[ " ${missing[*]} " == *" qemu-utils "* ]] && apt-cache policy qemu-utils | grep -q backports; then
+    apt-get install -y -qq -t bookworm-backports qemu-utils
+  fi
+  apt-get install -y -qq "${missing[@]}"
+fi
+
+echo "== cargo fmt --check"
+cargo fmt --check
+echo "== cargo clippy"
+cargo clippy --all-targets --release -- -D warnings
+echo "== cargo test"
+CI=${CI:-1} cargo test --release
+
+if [ "$fuzz_seconds" -gt 0 ]; then
+  if rustup toolchain list 2>/dev/null | grep -q '^nightly'; then
+    command -v cargo-fuzz >/dev/null || cargo install --locked cargo-fuzz
+    for target in handshake requests; do
+      echo "== fuzz $target for ${fuzz_seconds}s"
+      scratch=$(mktemp -d)
+      (cd fuzz && cargo +nightly fuzz run -O "$target" "$scratch" "corpus/$target" -- \
+        -max_total_time="$fuzz_seconds" -rss_limit_mb=4096 -print_final_stats=1 2>&1 | tail -n 12)
+      rm -rf "$scratch"
+    done
+  else
+    echo "== fuzz: no nightly toolchain here; the committed corpus was replayed by cargo test"
+  fi
+fi
+echo "== all tests passed"

@@ -1,0 +1,190 @@
+//! The command line and the server's life cycle: help texts, configuration errors, sizing
+//! rules, listeners, and graceful shutdown on SIGTERM and SIGINT.
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+
+fn netblk(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_netblk"))
+        .args(args)
+        .output()
+        .expect("run netblk")
+}
+
+#[test]
+fn help_explains_every_option_with_examples() {
+    let top = String::from_utf8(netblk(&["--help"]).stdout).unwrap();
+    assert!(top.contains("serve"), "{top}");
+    let serve = String::from_utf8(netblk(&["serve", "--help"]).stdout).unwrap();
+    for option in [
+        "--listen",
+        "--name",
+        "--description",
+        "--read-only",
+        "--size",
+        "--config",
+        "--handshake-timeout",
+    ] {
+        assert!(
+            serve.contains(option),
+            "serve --help lacks {option}:\n{serve}"
+        );
+    }
+    assert!(
+        serve.contains("memory:1G") && serve.contains("unix:"),
+        "{serve}"
+    );
+    assert!(
+        serve.matches("Example").count() >= 6,
+        "each option has an example:\n{serve}"
+    );
+}
+
+#[test]
+fn an_invalid_config_names_the_key_and_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bad.toml");
+    std::fs::write(
+        &path,
+        "[[export]]\nname = \"a\"\nbacking = \"memory:12Q\"\n",
+    )
+    .unwrap();
+    let out = netblk(&["serve", "--config", path.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("export[0].backing") && err.contains("not a size"),
+        "{err}"
+    );
+
+    std::fs::write(&path, "[[export]]\nname = \"a\"\nbackng = \"memory:1M\"\n").unwrap();
+    let out = netblk(&["serve", "--config", path.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("backng"), "{err}");
+}
+
+#[test]
+fn bad_command_lines_are_clear_errors() {
+    let out = netblk(&["serve", "memory:1X"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a size"));
+    let out = netblk(&["serve", "--listen", "nowhere", "memory:1M"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--listen"));
+    let out = netblk(&["serve"]);
+    assert!(!out.status.success(), "BACKING or --config is required");
+}
+
+#[test]
+fn size_creates_a_sparse_file_and_never_resizes_an_existing_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("disk.img");
+    let p = path.to_str().unwrap();
+    let out = netblk(&["serve", "--listen", "127.0.0.1:0", p]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("does not exist"));
+
+    let server = Server::start(&["--size", "64M", p]);
+    assert!(server.stop().success());
+    let meta = std::fs::metadata(&path).unwrap();
+    assert_eq!(meta.len(), 64 << 20);
+    use std::os::unix::fs::MetadataExt;
+    assert!(meta.blocks() * 512 < 1 << 20, "the new file is sparse");
+
+    let out = netblk(&["serve", "--listen", "127.0.0.1:0", "--size", "32M", p]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("never resizes"), "{err}");
+    assert_eq!(
+        std::fs::metadata(&path).unwrap().len(),
+        64 << 20,
+        "not truncated"
+    );
+}
+
+#[test]
+fn listens_on_ipv4_ipv6_and_unix_sockets_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("nbd.sock");
+    let unix = format!("unix:{}", sock.display());
+    let server = Server::start(&[
+        "--listen",
+        "127.0.0.1:0",
+        "--listen",
+        "[::1]:0",
+        "--listen",
+        &unix,
+        "memory:1M",
+    ]);
+    assert_eq!(server.listeners.len(), 3);
+    assert!(
+        server.listeners[1].starts_with("[::1]:"),
+        "{:?}",
+        server.listeners
+    );
+    assert_eq!(server.listeners[2], unix);
+    if have("nbdinfo") {
+        for uri in [
+            format!("nbd://{}", server.listeners[0]),
+            format!("nbd://{}", server.listeners[1]),
+            format!("nbd+unix:///?socket={}", sock.display()),
+        ] {
+            let info = run_stdout(Command::new("nbdinfo").arg("--size").arg(&uri));
+            assert_eq!(info.trim(), "1048576", "{uri}");
+        }
+    }
+    assert!(server.stop().success());
+    assert!(!sock.exists(), "the socket file is removed on exit");
+}
+
+#[test]
+fn the_default_listener_is_loopback_10809() {
+    let mut server = Server::start_expecting(&["memory:1M".to_string()], 1);
+    assert_eq!(server.listeners, vec!["127.0.0.1:10809".to_string()]);
+    server.signal("INT");
+    let status = server
+        .wait_exit(Duration::from_secs(10))
+        .expect("exits on SIGINT");
+    assert!(status.success());
+}
+
+#[test]
+fn sigterm_finishes_requests_in_flight_flushes_and_exits_zero() {
+    if !have("fio") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("disk.img");
+    let server = Server::start(&["--size", "64M", path.to_str().unwrap()]);
+    // A client with many writes in flight while the server is told to stop.
+    let mut fio = Command::new("fio")
+        .args([
+            "--name=w",
+            "--ioengine=nbd",
+            "--rw=randwrite",
+            "--bs=64k",
+            "--iodepth=32",
+            "--size=64M",
+        ])
+        .arg(format!("--uri={}", server.uri()))
+        .args(["--time_based", "--runtime=30", "--output=/dev/null"])
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    let log_before = server.stderr();
+    assert!(
+        log_before.contains("transmission"),
+        "fio connected:\n{log_before}"
+    );
+    let started = std::time::Instant::now();
+    let status = server.stop();
+    assert!(status.success(), "exit status {status}");
+    assert!(started.elapsed() < Duration::from_secs(20));
+    let _ = fio.kill();
+    let _ = fio.wait();
+}

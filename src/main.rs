@@ -76,6 +76,10 @@ struct ServeArgs {
     /// Example: --handshake-timeout 30s
     #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
     handshake_timeout: Option<Duration>,
+
+    /// Worker threads that serve connections (default: one per CPU). Example: --threads 2
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
+    threads: Option<u16>,
 }
 
 const DEFAULT_LISTEN: &str = "127.0.0.1:10809";
@@ -159,10 +163,11 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     if handshake_timeout.is_zero() {
         bail!("--handshake-timeout must be above zero");
     }
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting tokio")?;
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if let Some(threads) = args.threads {
+        runtime.worker_threads(usize::from(threads));
+    }
+    let runtime = runtime.enable_all().build().context("starting tokio")?;
     runtime.block_on(async move {
         // Handlers go in before "listening on" is printed, so a signal sent as soon as the
         // server reports ready is never taken with the default (fatal) action.
@@ -192,8 +197,17 @@ fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
     let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     Ok(async move {
         tokio::select! {
-            _ = int.recv() => tracing::info!("SIGINT received"),
-            _ = term.recv() => tracing::info!("SIGTERM received"),
+            _ = int.recv() => tracing::info!("SIGINT received: finishing requests in flight (signal again to exit now)"),
+            _ = term.recv() => tracing::info!("SIGTERM received: finishing requests in flight (signal again to exit now)"),
         }
+        // A second signal during the drain means "now": leave without waiting.
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = int.recv() => {}
+                _ = term.recv() => {}
+            }
+            tracing::warn!("second signal: exiting without waiting for requests in flight");
+            std::process::exit(130);
+        });
     })
 }

@@ -156,12 +156,17 @@ fn errno(e: rustix::io::Errno) -> std::io::Error {
     std::io::Error::from_raw_os_error(e.raw_os_error())
 }
 
-/// Where data and holes lie in `[offset, offset + length)`, as (length, is_hole) runs.
+/// Most runs one allocation query returns; a badly fragmented file is reported in parts
+/// (block status may cover less than was asked, and clients ask again from there).
+const MAX_RUNS: usize = 1 << 16;
+
+/// Where data and holes lie from `offset`, as (length, is_hole) runs covering at most
+/// `length` bytes and at least one byte (fewer than `length` past [`MAX_RUNS`] runs).
 fn allocation_runs(file: &File, offset: u64, length: u64) -> std::io::Result<Vec<(u64, bool)>> {
     let end = offset + length;
     let mut runs: Vec<(u64, bool)> = Vec::new();
     let mut at = offset;
-    while at < end {
+    while at < end && runs.len() < MAX_RUNS {
         let data_start = match rustix::fs::seek(file, rustix::fs::SeekFrom::Data(at as i64)) {
             Ok(pos) => pos.min(end),
             Err(rustix::io::Errno::NXIO) => end, // no data after `at`
@@ -235,11 +240,14 @@ impl Backend for FileBackend {
 
     fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
         Box::pin(self.blocking("read", offset, length as u64, move |file| {
+            let dense = vec![(length as u64, false)];
             let runs = if length >= HOLE_QUERY_MIN {
-                allocation_runs(file, offset, length as u64)
-                    .unwrap_or_else(|_| vec![(length as u64, false)])
+                match allocation_runs(file, offset, length as u64) {
+                    Ok(runs) if runs.iter().map(|r| r.0).sum::<u64>() == length as u64 => runs,
+                    _ => dense,
+                }
             } else {
-                vec![(length as u64, false)]
+                dense
             };
             let mut data = vec![0u8; length];
             let mut at = 0usize;

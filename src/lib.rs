@@ -4,7 +4,7 @@
 //! # Layout
 //! - [`wire`]: the NBD wire format (handshake, requests, replies), pure encode/decode.
 //! - [`server`]: listeners, option haggling ([`server::handshake`]), edge validation
-//!   ([`server::validate`]) and the per-connection pipeline ([`server::transmission`]);
+//!   ([`server::validate`]) and the per-connection pipeline ([`server::pipeline`]);
 //!   [`server::serve`] is the entry point.
 //! - [`backend`]: the [`backend::Backend`] trait every export goes through, with the
 //!   sparse [`backend::memory`] and the [`backend::file`] (file or block device) engines.

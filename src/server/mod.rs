@@ -5,7 +5,7 @@
 //! requests it has in flight, flushes every export and returns.
 
 pub mod handshake;
-pub mod transmission;
+pub mod pipeline;
 pub mod validate;
 
 use std::future::Future;
@@ -190,6 +190,6 @@ pub async fn handle_connection<S: Stream>(
         Ok(Ok(negotiated)) => negotiated,
     };
     info!(export = %negotiated.export.name, reply = ?negotiated.reply_style, "transmission");
-    transmission::run(stream, negotiated, stop).await;
+    pipeline::run(stream, negotiated, stop).await;
     drop(alive);
 }

@@ -1,0 +1,662 @@
+//! The transmission phase of one connection, driven by a single task.
+//!
+//! One poll loop owns the socket, the requests in flight and the reply queue:
+//!
+//! * **read**: pull as many bytes as the socket holds into one buffer, parse every complete
+//!   request in it, validate each at the edge, and start its backend future;
+//! * **complete**: poll the futures in flight (`FuturesUnordered`); requests finish in any
+//!   order, and a backend that completes at once (memory) costs no task switch at all;
+//! * **write**: gather every queued reply into one vectored write.
+//!
+//! Large reads with chunked replies are split into pieces that run concurrently, and each
+//! piece's data leaves as its own `OFFSET_DATA` chunk as soon as it is read, so a 32 MiB
+//! read starts flowing early instead of arriving as one burst.
+//!
+//! Memory is bounded per connection: at most [`MAX_IN_FLIGHT`] requests and about
+//! [`BYTE_BUDGET`] bytes of payloads and unsent read data; past either, the socket is not
+//! read until replies drain, so a client that stops reading stops being served.
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::io::IoSlice;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+
+use bytes::{Buf, Bytes, BytesMut};
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use tokio::io::{AsyncWrite, AsyncWriteExt};
+use tokio::sync::watch;
+use tracing::{debug, warn};
+
+use super::handshake::Negotiated;
+use super::validate::{validate, Command, Limits};
+use super::Stream;
+use crate::backend::{Backend, BackendError, ReadData, ZeroFlags};
+use crate::wire::transmission::{ReplyEncoder, ReplyStyle, RequestHeader, RequestStyle};
+use crate::wire::{cmd, NbdError, BASE_ALLOCATION_ID, MAX_PAYLOAD};
+
+/// Requests one connection may have in flight at once.
+pub const MAX_IN_FLIGHT: usize = 1024;
+/// Payload and unsent read-data bytes one connection may hold before it stops reading.
+pub const BYTE_BUDGET: u64 = 256 * 1024 * 1024;
+/// Reads longer than this are split into concurrent pieces, each sent as it completes.
+pub const STREAM_PIECE: u32 = 2 * 1024 * 1024;
+/// A block-status query looks at most this far (keeps the reply small and 32-bit safe).
+const MAX_STATUS_SPAN: u64 = (1 << 32) - (1 << 16);
+/// Free room kept in the read buffer before each socket read.
+const READ_ROOM: usize = 256 * 1024;
+/// Most slices handed to one vectored write.
+const MAX_IOVECS: usize = 512;
+/// Poll-loop rounds before yielding to other connections on this worker.
+const ROUNDS_BEFORE_YIELD: usize = 64;
+
+/// One reply message: header bytes and optional data after them. When it has been written,
+/// `release` bytes go back to the connection's budget.
+struct Outgoing {
+    header: Vec<u8>,
+    data: Option<Bytes>,
+    release: u64,
+}
+
+type Replies = Vec<Outgoing>;
+type RequestFuture = Pin<Box<dyn Future<Output = Replies> + Send>>;
+
+/// Runs the transmission phase until the client disconnects, breaks the protocol, or the
+/// server stops; every request already read is answered before it returns.
+pub async fn run<S: Stream>(
+    mut stream: S,
+    negotiated: Negotiated,
+    mut stop: watch::Receiver<bool>,
+) {
+    let backend = Arc::clone(&negotiated.export.backend);
+    let limits = Limits {
+        size: backend.size(),
+        read_only: backend.capabilities().read_only,
+        style: negotiated.request_style,
+        chunked_replies: negotiated.reply_style != ReplyStyle::Simple,
+        base_allocation: negotiated.base_allocation,
+    };
+    let mut pipeline = Pipeline {
+        backend,
+        limits,
+        reply_style: negotiated.reply_style,
+        inbuf: BytesMut::with_capacity(READ_ROOM),
+        reading: true,
+        ending: String::new(),
+        discard_left: 0,
+        awaiting_payload: None,
+        in_flight: FuturesUnordered::new(),
+        outq: VecDeque::new(),
+        front_written: 0,
+        held: 0,
+        stop_seen: false,
+    };
+    let mut stopped = Box::pin(async move {
+        let _ = stop.wait_for(|s| *s).await;
+    });
+    let result =
+        std::future::poll_fn(|cx| pipeline.poll(cx, Pin::new(&mut stream), stopped.as_mut())).await;
+    match result {
+        Ok(()) => debug!("{}", pipeline.ending),
+        Err(e) => debug!("connection ended: {e}"),
+    }
+    let _ = stream.shutdown().await;
+}
+
+struct Pipeline {
+    backend: Arc<dyn Backend>,
+    limits: Limits,
+    reply_style: ReplyStyle,
+    inbuf: BytesMut,
+    /// Still reading requests.
+    reading: bool,
+    /// Why reading stopped.
+    ending: String,
+    /// Payload bytes of a refused request still to throw away.
+    discard_left: u64,
+    /// A write whose header was parsed and whose payload is still arriving.
+    awaiting_payload: Option<(RequestHeader, Command)>,
+    in_flight: FuturesUnordered<RequestFuture>,
+    outq: VecDeque<Outgoing>,
+    /// Bytes of the front message already written.
+    front_written: usize,
+    /// Budget bytes held by admitted requests and unsent replies.
+    held: u64,
+    stop_seen: bool,
+}
+
+impl Pipeline {
+    fn encoder(&self, cookie: u64, offset: u64) -> ReplyEncoder {
+        ReplyEncoder {
+            style: self.reply_style,
+            cookie,
+            offset,
+        }
+    }
+
+    fn stop_reading(&mut self, why: impl Into<String>) {
+        if self.reading {
+            self.reading = false;
+            self.ending = why.into();
+        }
+    }
+
+    fn can_admit(&self) -> bool {
+        self.in_flight.len() < MAX_IN_FLIGHT && self.held < BYTE_BUDGET
+    }
+
+    fn queue_error(&mut self, header: &RequestHeader, error: NbdError) {
+        warn!(
+            command = header.command,
+            flags = header.flags,
+            offset = header.offset,
+            length = header.length,
+            "refused request: {error}"
+        );
+        let mut bytes = Vec::with_capacity(64);
+        self.encoder(header.cookie, header.offset).error(
+            &mut bytes,
+            error,
+            &format!("request refused: {error}"),
+        );
+        self.outq.push_back(Outgoing {
+            header: bytes,
+            data: None,
+            release: 0,
+        });
+    }
+
+    /// Parses and admits every complete request in the buffer that the limits allow.
+    /// `Err` means the stream cannot be parsed any further.
+    fn parse(&mut self) -> Result<(), String> {
+        loop {
+            if self.discard_left > 0 {
+                let n = self.discard_left.min(self.inbuf.len() as u64);
+                self.inbuf.advance(n as usize);
+                self.discard_left -= n;
+                if self.discard_left > 0 {
+                    return Ok(());
+                }
+            }
+            if let Some((header, command)) = self.awaiting_payload.take() {
+                let need = header.length as usize;
+                if self.inbuf.len() < need {
+                    self.inbuf.reserve(need - self.inbuf.len());
+                    self.awaiting_payload = Some((header, command));
+                    return Ok(());
+                }
+                let payload = self.inbuf.split_to(need).freeze();
+                self.admit(header, command, Some(payload));
+                continue;
+            }
+            let header_len = self.limits.style.header_len();
+            if !self.reading || !self.can_admit() || self.inbuf.len() < header_len {
+                return Ok(());
+            }
+            let header = match RequestHeader::decode(&self.inbuf, self.limits.style) {
+                Ok(Some(header)) => header,
+                Ok(None) => return Ok(()),
+                Err(e) => {
+                    warn!("{e}: closing the connection");
+                    return Err(e.to_string());
+                }
+            };
+            self.inbuf.advance(header_len);
+            if header.command == cmd::DISC {
+                self.stop_reading("client sent NBD_CMD_DISC");
+                return Ok(());
+            }
+            let verdict = validate(&header, &self.limits);
+            let payload_len = header.payload_len(self.limits.style);
+            if payload_len > 0 {
+                match verdict {
+                    Ok(command) if payload_len <= u64::from(MAX_PAYLOAD) => {
+                        self.held += payload_len;
+                        self.awaiting_payload = Some((header, command));
+                    }
+                    other => {
+                        if self.limits.style == RequestStyle::Extended
+                            && payload_len > u64::from(u32::MAX)
+                        {
+                            warn!(payload_len, "absurd payload length: closing the connection");
+                            return Err("absurd payload length".into());
+                        }
+                        self.discard_left = payload_len;
+                        self.queue_error(&header, other.err().unwrap_or(NbdError::Inval));
+                    }
+                }
+                continue;
+            }
+            match verdict {
+                Ok(command) => self.admit(header, command, None),
+                Err(error) => self.queue_error(&header, error),
+            }
+        }
+    }
+
+    /// Starts a validated request. A write's payload budget was taken when its header was
+    /// parsed; a read's is taken here.
+    fn admit(&mut self, header: RequestHeader, command: Command, payload: Option<Bytes>) {
+        let backend = Arc::clone(&self.backend);
+        let cookie = header.cookie;
+        let offset = header.offset;
+        let enc = self.encoder(cookie, offset);
+        match command {
+            Command::Read { offset, length, df } => {
+                self.held += u64::from(length);
+                let pieces =
+                    if self.reply_style != ReplyStyle::Simple && !df && length > STREAM_PIECE {
+                        length.div_ceil(STREAM_PIECE)
+                    } else {
+                        1
+                    };
+                if pieces == 1 {
+                    self.in_flight.push(Box::pin(async move {
+                        read_whole(&*backend, enc, offset, length, df).await
+                    }));
+                    return;
+                }
+                let shared = Arc::new(Mutex::new(StreamedRead {
+                    left: pieces,
+                    error: None,
+                }));
+                for piece in 0..pieces {
+                    let start = u64::from(piece) * u64::from(STREAM_PIECE);
+                    let len = (u64::from(length) - start).min(u64::from(STREAM_PIECE)) as u32;
+                    let backend = Arc::clone(&backend);
+                    let shared = Arc::clone(&shared);
+                    self.in_flight.push(Box::pin(async move {
+                        read_piece(&*backend, enc, offset + start, len, &shared).await
+                    }));
+                }
+            }
+            Command::Write {
+                offset,
+                length,
+                fua,
+            } => {
+                let data = payload.unwrap_or_default();
+                let release = data.len() as u64;
+                self.in_flight.push(Box::pin(async move {
+                    let result = if length == 0 {
+                        Ok(())
+                    } else {
+                        backend.write(offset, data, fua).await
+                    };
+                    status_reply(enc, result, release)
+                }));
+            }
+            Command::Flush => {
+                self.in_flight.push(Box::pin(async move {
+                    status_reply(enc, backend.flush().await, 0)
+                }));
+            }
+            Command::Trim {
+                offset,
+                length,
+                fua,
+            } => self.in_flight.push(Box::pin(async move {
+                let result = if length == 0 {
+                    Ok(())
+                } else {
+                    backend.trim(offset, length, fua).await
+                };
+                status_reply(enc, result, 0)
+            })),
+            Command::Cache { offset, length } => self.in_flight.push(Box::pin(async move {
+                let result = if length == 0 {
+                    Ok(())
+                } else {
+                    backend.cache(offset, length).await
+                };
+                status_reply(enc, result, 0)
+            })),
+            Command::WriteZeroes {
+                offset,
+                length,
+                no_hole,
+                fast,
+                fua,
+            } => self.in_flight.push(Box::pin(async move {
+                let flags = ZeroFlags {
+                    may_trim: !no_hole,
+                    fast,
+                    fua,
+                };
+                let result = if length == 0 {
+                    Ok(())
+                } else {
+                    backend.write_zeroes(offset, length, flags).await
+                };
+                status_reply(enc, result, 0)
+            })),
+            Command::BlockStatus {
+                offset,
+                length,
+                req_one,
+            } => self.in_flight.push(Box::pin(async move {
+                block_status(&*backend, enc, offset, length, req_one).await
+            })),
+            Command::Disconnect => unreachable!("the parser handles NBD_CMD_DISC"),
+        }
+    }
+
+    /// Writes queued replies until the socket is full or the queue is empty.
+    fn poll_write<S: AsyncWrite + ?Sized>(
+        &mut self,
+        cx: &mut Context<'_>,
+        mut stream: Pin<&mut S>,
+    ) -> Poll<std::io::Result<bool>> {
+        let mut wrote = false;
+        while !self.outq.is_empty() {
+            let mut slices: Vec<IoSlice<'_>> =
+                Vec::with_capacity(self.outq.len().min(MAX_IOVECS / 2) * 2);
+            let mut skip = self.front_written;
+            for message in &self.outq {
+                for part in [&message.header[..], message.data.as_deref().unwrap_or(&[])] {
+                    if skip >= part.len() {
+                        skip -= part.len();
+                        continue;
+                    }
+                    slices.push(IoSlice::new(&part[skip..]));
+                    skip = 0;
+                }
+                if slices.len() >= MAX_IOVECS - 1 {
+                    break;
+                }
+            }
+            if slices.is_empty() {
+                // Only empty messages are queued: retire them.
+                self.consume(0);
+                continue;
+            }
+            let n = match stream.as_mut().poll_write_vectored(cx, &slices) {
+                Poll::Ready(Ok(0)) => {
+                    return Poll::Ready(Err(std::io::ErrorKind::WriteZero.into()))
+                }
+                Poll::Ready(Ok(n)) => n,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending if wrote => return Poll::Ready(Ok(true)),
+                Poll::Pending => return Poll::Pending,
+            };
+            drop(slices);
+            self.consume(n);
+            wrote = true;
+        }
+        match stream.poll_flush(cx) {
+            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+            _ => Poll::Ready(Ok(wrote)),
+        }
+    }
+
+    /// Retires `n` written bytes from the front of the queue.
+    fn consume(&mut self, mut n: usize) {
+        while let Some(front) = self.outq.front() {
+            let len = front.header.len() + front.data.as_ref().map_or(0, |d| d.len());
+            let left = len - self.front_written;
+            if n < left {
+                self.front_written += n;
+                return;
+            }
+            n -= left;
+            self.front_written = 0;
+            let done = self.outq.pop_front().expect("front exists");
+            self.held = self.held.saturating_sub(done.release);
+        }
+    }
+
+    fn poll<S: Stream, F: Future<Output = ()>>(
+        &mut self,
+        cx: &mut Context<'_>,
+        mut stream: Pin<&mut S>,
+        mut stopped: Pin<&mut F>,
+    ) -> Poll<std::io::Result<()>> {
+        for _ in 0..ROUNDS_BEFORE_YIELD {
+            let mut progressed = false;
+            if !self.stop_seen && stopped.as_mut().poll(cx).is_ready() {
+                self.stop_seen = true;
+                self.stop_reading("the server is stopping");
+            }
+            let wants_bytes =
+                self.discard_left > 0 || self.awaiting_payload.is_some() || self.can_admit();
+            if self.reading && wants_bytes {
+                if self.inbuf.capacity() - self.inbuf.len() < READ_ROOM / 4 {
+                    self.inbuf.reserve(READ_ROOM);
+                }
+                match tokio_util::io::poll_read_buf(stream.as_mut(), cx, &mut self.inbuf) {
+                    Poll::Ready(Ok(0)) => {
+                        let why = if self.awaiting_payload.is_some() || self.discard_left > 0 {
+                            "connection ended inside a payload"
+                        } else {
+                            "client closed the connection"
+                        };
+                        self.awaiting_payload = None;
+                        self.stop_reading(why);
+                    }
+                    Poll::Ready(Ok(_)) => progressed = true,
+                    Poll::Ready(Err(e)) => self.stop_reading(format!("read failed: {e}")),
+                    Poll::Pending => {}
+                }
+            }
+            if self.reading {
+                if let Err(fatal) = self.parse() {
+                    self.stop_reading(fatal);
+                }
+            }
+            while let Poll::Ready(Some(replies)) = self.in_flight.poll_next_unpin(cx) {
+                self.outq.extend(replies);
+                progressed = true;
+            }
+            if !self.outq.is_empty() {
+                match self.poll_write(cx, stream.as_mut()) {
+                    Poll::Ready(Ok(wrote)) => progressed |= wrote,
+                    Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                    Poll::Pending => {}
+                }
+            }
+            if !self.reading && self.in_flight.is_empty() && self.outq.is_empty() {
+                return Poll::Ready(Ok(()));
+            }
+            if !progressed {
+                return Poll::Pending;
+            }
+        }
+        // Busy connection: let the others on this worker run, then come back.
+        cx.waker().wake_by_ref();
+        Poll::Pending
+    }
+}
+
+fn status_reply(enc: ReplyEncoder, result: Result<(), BackendError>, release: u64) -> Replies {
+    let mut header = Vec::with_capacity(64);
+    match result {
+        Ok(()) => enc.ok(&mut header),
+        Err(e) if e.errno == NbdError::NotSup => {
+            enc.error(&mut header, NbdError::NotSup, "zeroing would not be fast")
+        }
+        Err(e) => {
+            warn!("{e}");
+            enc.error(&mut header, e.errno, &e.to_string());
+        }
+    }
+    vec![Outgoing {
+        header,
+        data: None,
+        release,
+    }]
+}
+
+fn error_reply(enc: ReplyEncoder, e: &BackendError, release: u64) -> Replies {
+    warn!("{e}");
+    let mut header = Vec::with_capacity(64);
+    enc.error(&mut header, e.errno, &e.to_string());
+    vec![Outgoing {
+        header,
+        data: None,
+        release,
+    }]
+}
+
+/// Content chunks for data read at `offset`; the last is marked done when `done`.
+fn content_chunks(
+    enc: ReplyEncoder,
+    offset: u64,
+    read: ReadData,
+    done: bool,
+    release: u64,
+    out: &mut Replies,
+) {
+    if read.runs.len() <= 1 && !read.runs.first().is_some_and(|r| r.1) {
+        let mut header = Vec::with_capacity(40);
+        enc.data_header(&mut header, offset, read.data.len() as u64, done);
+        out.push(Outgoing {
+            header,
+            data: Some(read.data),
+            release,
+        });
+        return;
+    }
+    let mut at = 0usize;
+    let last = read.runs.len() - 1;
+    for (i, &(len, hole)) in read.runs.iter().enumerate() {
+        let mut header = Vec::with_capacity(40);
+        let chunk_offset = offset + at as u64;
+        // Messages leave in order, so the last one returns the whole buffer's budget.
+        let release = if i == last { release } else { 0 };
+        if hole {
+            enc.hole(&mut header, chunk_offset, len as u32, done && i == last);
+            out.push(Outgoing {
+                header,
+                data: None,
+                release,
+            });
+        } else {
+            enc.data_header(&mut header, chunk_offset, len as u64, done && i == last);
+            out.push(Outgoing {
+                header,
+                data: Some(read.data.slice(at..at + len)),
+                release,
+            });
+        }
+        at += len;
+    }
+}
+
+async fn read_whole(
+    backend: &dyn Backend,
+    enc: ReplyEncoder,
+    offset: u64,
+    length: u32,
+    df: bool,
+) -> Replies {
+    let release = u64::from(length);
+    if length == 0 {
+        let mut header = Vec::with_capacity(32);
+        enc.ok(&mut header);
+        return vec![Outgoing {
+            header,
+            data: None,
+            release,
+        }];
+    }
+    let read = match backend.read(offset, length as usize).await {
+        Ok(read) => read,
+        Err(e) => return error_reply(enc, &e, release),
+    };
+    let mut out = Vec::with_capacity(read.runs.len());
+    if enc.style == ReplyStyle::Simple || df {
+        let mut header = Vec::with_capacity(40);
+        enc.data_header(&mut header, offset, u64::from(length), true);
+        out.push(Outgoing {
+            header,
+            data: Some(read.data),
+            release,
+        });
+    } else {
+        content_chunks(enc, offset, read, true, release, &mut out);
+    }
+    out
+}
+
+/// Shared state of a read split into pieces: the piece that finishes last ends the reply.
+struct StreamedRead {
+    left: u32,
+    error: Option<(NbdError, String)>,
+}
+
+async fn read_piece(
+    backend: &dyn Backend,
+    enc: ReplyEncoder,
+    offset: u64,
+    length: u32,
+    shared: &Mutex<StreamedRead>,
+) -> Replies {
+    let result = backend.read(offset, length as usize).await;
+    let mut out = Vec::with_capacity(2);
+    let mut state = shared.lock().unwrap_or_else(|e| e.into_inner());
+    state.left -= 1;
+    let last = state.left == 0;
+    match result {
+        Ok(read) => content_chunks(enc, offset, read, false, u64::from(length), &mut out),
+        Err(e) => {
+            warn!("{e}");
+            state.error.get_or_insert((e.errno, e.to_string()));
+            out.push(Outgoing {
+                header: Vec::new(),
+                data: None,
+                release: u64::from(length),
+            });
+        }
+    }
+    if last {
+        let mut header = Vec::with_capacity(64);
+        match &state.error {
+            None => enc.ok(&mut header),
+            Some((errno, message)) => enc.error(&mut header, *errno, message),
+        }
+        out.push(Outgoing {
+            header,
+            data: None,
+            release: 0,
+        });
+    }
+    out
+}
+
+async fn block_status(
+    backend: &dyn Backend,
+    enc: ReplyEncoder,
+    offset: u64,
+    length: u64,
+    req_one: bool,
+) -> Replies {
+    let span = length.min(MAX_STATUS_SPAN);
+    let extents = match backend.extents(offset, span).await {
+        Ok(extents) => extents,
+        Err(e) => return error_reply(enc, &e, 0),
+    };
+    let mut descriptors: Vec<(u64, u32)> = Vec::with_capacity(extents.len().min(1024));
+    let mut covered = 0u64;
+    for extent in extents {
+        if covered >= span || extent.length == 0 {
+            break;
+        }
+        let len = extent.length.min(span - covered);
+        covered += len;
+        descriptors.push((len, extent.status()));
+        if req_one {
+            break;
+        }
+    }
+    if descriptors.is_empty() {
+        descriptors.push((span, 0));
+    }
+    let mut header = Vec::with_capacity(40 + 16 * descriptors.len());
+    enc.block_status(&mut header, BASE_ALLOCATION_ID, &descriptors, true);
+    vec![Outgoing {
+        header,
+        data: None,
+        release: 0,
+    }]
+}

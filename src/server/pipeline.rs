@@ -660,3 +660,179 @@ async fn block_status(
         release: 0,
     }]
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
+
+    use super::*;
+    use crate::backend::memory::MemoryBackend;
+    use crate::server::{handle_connection, Export, ServerConfig};
+    use crate::wire::handshake::{ClientOption, InfoRequest, OptionReply};
+    use crate::wire::transmission::DecodedReply;
+    use crate::wire::{client_flags, reply};
+
+    /// Negotiates structured replies on a fresh 64 MiB memory export.
+    async fn connect() -> DuplexStream {
+        let export = Arc::new(Export {
+            name: String::new(),
+            description: String::new(),
+            backend: Arc::new(MemoryBackend::new(64 << 20, false)),
+        });
+        let config = Arc::new(ServerConfig {
+            exports: vec![export],
+            handshake_timeout: Duration::from_secs(5),
+        });
+        let (mut client, server) = tokio::io::duplex(1 << 20);
+        let (_stop_tx, stop_rx) = watch::channel(false);
+        let (alive_tx, _alive_rx) = tokio::sync::mpsc::channel(1);
+        tokio::spawn(async move {
+            let _keep = _stop_tx;
+            handle_connection(server, config, stop_rx, alive_tx).await
+        });
+        let mut greeting = [0u8; 18];
+        client.read_exact(&mut greeting).await.unwrap();
+        let mut hello = (client_flags::FIXED_NEWSTYLE | client_flags::NO_ZEROES)
+            .to_be_bytes()
+            .to_vec();
+        hello.extend(ClientOption::StructuredReply.encode());
+        hello.extend(
+            ClientOption::Go(InfoRequest {
+                name: String::new(),
+                requests: vec![],
+            })
+            .encode(),
+        );
+        client.write_all(&hello).await.unwrap();
+        let mut acks = 0;
+        let mut buf = Vec::new();
+        while acks < 2 {
+            let mut chunk = [0u8; 512];
+            let n = client.read(&mut chunk).await.unwrap();
+            buf.extend_from_slice(&chunk[..n]);
+            while let Some((reply, used)) = OptionReply::decode(&buf).unwrap() {
+                buf.drain(..used);
+                if reply.reply_type == crate::wire::rep::ACK {
+                    acks += 1;
+                }
+            }
+        }
+        client
+    }
+
+    async fn read_exactly(client: &mut DuplexStream, n: usize) -> Vec<u8> {
+        let mut data = vec![0u8; n];
+        client.read_exact(&mut data).await.unwrap();
+        data
+    }
+
+    #[tokio::test]
+    async fn a_large_read_streams_as_several_chunks_that_cover_it_exactly() {
+        let mut client = connect().await;
+        let len = 3 * STREAM_PIECE as usize + 12345;
+        let pattern: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+        let write = RequestHeader {
+            flags: 0,
+            command: cmd::WRITE,
+            cookie: 1,
+            offset: 4096,
+            length: len as u64,
+        };
+        client
+            .write_all(&write.encode(RequestStyle::Compact))
+            .await
+            .unwrap();
+        client.write_all(&pattern).await.unwrap();
+        let (done, _) = DecodedReply::decode(&read_exactly(&mut client, 20).await)
+            .unwrap()
+            .unwrap();
+        assert!(matches!(
+            done,
+            DecodedReply::Chunk {
+                kind: reply::TYPE_NONE,
+                cookie: 1,
+                ..
+            }
+        ));
+
+        let read = RequestHeader {
+            flags: 0,
+            command: cmd::READ,
+            cookie: 2,
+            offset: 4096,
+            length: len as u64,
+        };
+        client
+            .write_all(&read.encode(RequestStyle::Compact))
+            .await
+            .unwrap();
+        let mut assembled = vec![0u8; len];
+        let mut covered = 0;
+        let mut chunks = 0;
+        loop {
+            let header = read_exactly(&mut client, 20).await;
+            let Some((
+                DecodedReply::Chunk {
+                    flags,
+                    kind,
+                    cookie,
+                    payload_len,
+                    ..
+                },
+                _,
+            )) = DecodedReply::decode(&header).unwrap()
+            else {
+                panic!("structured chunk expected")
+            };
+            assert_eq!(cookie, 2);
+            let payload = read_exactly(&mut client, payload_len as usize).await;
+            match kind {
+                reply::TYPE_OFFSET_DATA => {
+                    let at = u64::from_be_bytes(payload[..8].try_into().unwrap()) as usize - 4096;
+                    assembled[at..at + payload.len() - 8].copy_from_slice(&payload[8..]);
+                    covered += payload.len() - 8;
+                    chunks += 1;
+                }
+                reply::TYPE_NONE => {}
+                other => panic!("unexpected chunk type {other}"),
+            }
+            if flags & reply::FLAG_DONE != 0 {
+                break;
+            }
+        }
+        assert_eq!(chunks, 4, "the read left as one chunk per piece");
+        assert_eq!(covered, len);
+        assert_eq!(assembled, pattern);
+    }
+
+    #[tokio::test]
+    async fn a_df_read_is_one_chunk() {
+        let mut client = connect().await;
+        let len = 3 * STREAM_PIECE as u64;
+        let read = RequestHeader {
+            flags: crate::wire::cmd_flags::DF,
+            command: cmd::READ,
+            cookie: 3,
+            offset: 0,
+            length: len,
+        };
+        client
+            .write_all(&read.encode(RequestStyle::Compact))
+            .await
+            .unwrap();
+        let header = read_exactly(&mut client, 20).await;
+        let (reply, _) = DecodedReply::decode(&header).unwrap().unwrap();
+        assert_eq!(
+            reply,
+            DecodedReply::Chunk {
+                flags: reply::FLAG_DONE,
+                kind: reply::TYPE_OFFSET_DATA,
+                cookie: 3,
+                offset: None,
+                payload_len: len + 8
+            }
+        );
+    }
+}

@@ -12,9 +12,10 @@
 //! piece's data leaves as its own `OFFSET_DATA` chunk as soon as it is read, so a 32 MiB
 //! read starts flowing early instead of arriving as one burst.
 //!
-//! Memory is bounded per connection: at most [`MAX_IN_FLIGHT`] requests and about
-//! [`BYTE_BUDGET`] bytes of payloads and unsent read data; past either, the socket is not
-//! read until replies drain, so a client that stops reading stops being served.
+//! Memory is bounded per connection: at most [`MAX_IN_FLIGHT`] requests, about
+//! [`BYTE_BUDGET`] bytes of payloads and unsent read data, and [`MAX_QUEUED_REPLIES`]
+//! unsent replies; past any of them the socket is not read until replies drain, so a
+//! client that stops reading stops being served.
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -40,6 +41,9 @@ use crate::wire::{cmd, NbdError, BASE_ALLOCATION_ID, MAX_PAYLOAD};
 pub const MAX_IN_FLIGHT: usize = 1024;
 /// Payload and unsent read-data bytes one connection may hold before it stops reading.
 pub const BYTE_BUDGET: u64 = 256 * 1024 * 1024;
+/// Replies queued but unsent before the connection stops reading: a client that sends
+/// without reading cannot grow the queue past this, even with replies that carry no data.
+pub const MAX_QUEUED_REPLIES: usize = 16 * 1024;
 /// Reads longer than this are split into concurrent pieces, each sent as it completes.
 pub const STREAM_PIECE: u32 = 2 * 1024 * 1024;
 /// A block-status query looks at most this far (keeps the reply small and 32-bit safe).
@@ -143,7 +147,9 @@ impl Pipeline {
     }
 
     fn can_admit(&self) -> bool {
-        self.in_flight.len() < MAX_IN_FLIGHT && self.held < BYTE_BUDGET
+        self.in_flight.len() < MAX_IN_FLIGHT
+            && self.held < BYTE_BUDGET
+            && self.outq.len() < MAX_QUEUED_REPLIES
     }
 
     fn queue_error(&mut self, header: &RequestHeader, error: NbdError) {
@@ -834,5 +840,32 @@ mod tests {
                 payload_len: len + 8
             }
         );
+    }
+
+    #[tokio::test]
+    async fn a_client_that_never_reads_replies_stops_being_read() {
+        let mut client = connect().await;
+        // Zero-length reads carry no data, so only the reply-queue cap can stop them.
+        let flush = RequestHeader {
+            flags: 0,
+            command: cmd::READ,
+            cookie: 9,
+            offset: 0,
+            length: 0,
+        };
+        let one = flush.encode(RequestStyle::Compact);
+        let burst: Vec<u8> = one.iter().copied().cycle().take(one.len() * 4096).collect();
+        let mut sent = 0usize;
+        let accepted = tokio::time::timeout(Duration::from_secs(2), async {
+            loop {
+                client.write_all(&burst).await.unwrap();
+                sent += 4096;
+            }
+        })
+        .await;
+        assert!(accepted.is_err(), "the server kept reading forever");
+        // The pipe holds 1 MiB each way; the server must have stopped well before
+        // queueing replies without limit.
+        assert!(sent < 300_000, "{sent} requests were read");
     }
 }

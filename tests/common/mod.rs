@@ -2,6 +2,8 @@
 //! addresses it listens on, run real clients, and clean up even when a test fails.
 #![allow(dead_code)]
 
+pub mod raw;
+
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};

@@ -1,7 +1,7 @@
 //! The `netblk` command line: parses options, sets up logging, binds listeners and hands
 //! over to `netblk::server::serve`.
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -89,6 +89,7 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("NETBLK_LOG")
                 .unwrap_or_else(|_| "info".into()),

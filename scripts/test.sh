@@ -34,7 +34,11 @@ cargo fmt --check
 echo "== cargo clippy"
 cargo clippy --all-targets --release -- -D warnings
 echo "== cargo test"
-CI=${CI:-1} cargo test --release
+test_log=$(mktemp)
+trap 'rm -f "$test_log"' EXIT
+CI=${CI:-1} cargo test --release 2>&1 | tee "$test_log"
+passed=$(grep -Eo '^test result: .* ([0-9]+) passed' "$test_log" | grep -Eo '[0-9]+ passed' | awk '{s+=$1} END {print s+0}')
+failed=$(grep -Eo '[0-9]+ failed;' "$test_log" | awk '{s+=$1} END {print s+0}')
 
 if [ "$fuzz_seconds" -gt 0 ]; then
   if rustup toolchain list 2>/dev/null | grep -q '^nightly'; then
@@ -51,3 +55,4 @@ if [ "$fuzz_seconds" -gt 0 ]; then
   fi
 fi
 echo "== all tests passed"
+echo "cargo test: $passed passed, $failed failed"

@@ -9,6 +9,7 @@
 //! - [`backend`]: the [`backend::Backend`] trait every export goes through, with the
 //!   sparse [`backend::memory`] and the [`backend::file`] (file or block device) engines.
 //! - [`config`]: the TOML file for several exports; [`listen`]: listen addresses.
+//! - [`buffer`]: the pool of large I/O buffers (no allocation per request on the hot path).
 //! - [`size`]: `512K`/`1G`-style sizes; [`fuzzing`]: entry points for the fuzz targets.
 //!
 //! The `netblk` binary (`src/main.rs`) is only the command line around [`server::serve`].
@@ -16,6 +17,7 @@
 #![forbid(unsafe_code)]
 
 pub mod backend;
+pub mod buffer;
 pub mod config;
 pub mod fuzzing;
 pub mod listen;

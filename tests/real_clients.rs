@@ -334,6 +334,7 @@ fn fio_verifies_random_read_write_at_depth_64_over_tcp_and_unix() {
             "--size=64M",
             "--verify=crc32c",
             "--do_verify=1",
+            "--verify_state_save=0",
         ]
         .iter()
         .map(|s| s.to_string())

@@ -15,6 +15,7 @@ use bytes::Bytes;
 use rustix::fs::FallocateFlags;
 
 use super::{Backend, BackendError, BackendFuture, Capabilities, Extent, ReadData, ZeroFlags};
+use crate::buffer::Buffer;
 use crate::wire::NbdError;
 
 /// Writes up to this long (and reads shorter than [`HOLE_QUERY_MIN`]) first try the page
@@ -298,11 +299,15 @@ impl Backend for FileBackend {
             } else {
                 dense
             };
-            let mut data = vec![0u8; length];
+            // A pooled buffer holds old data: every byte below is either read or zeroed.
+            let mut buffer = Buffer::take(length);
+            let data = buffer.as_mut();
             let mut at = 0usize;
             for &(len, hole) in &runs {
                 let len = len as usize;
-                if !hole {
+                if hole {
+                    data[at..at + len].fill(0);
+                } else {
                     file.read_exact_at(&mut data[at..at + len], offset + at as u64)?;
                 }
                 at += len;
@@ -312,7 +317,7 @@ impl Backend for FileBackend {
                 .map(|(len, hole)| (len as usize, hole))
                 .collect();
             Ok(ReadData {
-                data: Bytes::from(data),
+                data: buffer.into_bytes(),
                 runs,
             })
         }))

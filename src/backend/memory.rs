@@ -7,6 +7,7 @@ use std::sync::RwLock;
 use bytes::Bytes;
 
 use super::{Backend, BackendFuture, Capabilities, Extent, ReadData, ZeroFlags};
+use crate::buffer::Buffer;
 
 /// Bytes per page: the allocation and hole granularity.
 pub const PAGE_SIZE: u64 = 64 * 1024;
@@ -49,7 +50,9 @@ impl MemoryBackend {
     }
 
     fn read_now(&self, offset: u64, length: usize) -> ReadData {
-        let mut data = vec![0u8; length];
+        // A pooled buffer holds old data: every byte below is either copied or zeroed.
+        let mut buffer = Buffer::take(length);
+        let data = buffer.as_mut();
         let mut runs: Vec<(usize, bool)> = Vec::new();
         Self::for_each_piece(offset, length as u64, |page, in_page, at, len| {
             let shard = self.shard(page).read().unwrap_or_else(|e| e.into_inner());
@@ -58,7 +61,10 @@ impl MemoryBackend {
                     data[at..at + len].copy_from_slice(&bytes[in_page..in_page + len]);
                     false
                 }
-                None => true,
+                None => {
+                    data[at..at + len].fill(0);
+                    true
+                }
             };
             match runs.last_mut() {
                 Some((run_len, run_hole)) if *run_hole == hole => *run_len += len,
@@ -66,7 +72,7 @@ impl MemoryBackend {
             }
         });
         ReadData {
-            data: Bytes::from(data),
+            data: buffer.into_bytes(),
             runs,
         }
     }

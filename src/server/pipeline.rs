@@ -26,7 +26,7 @@ use std::task::{Context, Poll};
 
 use bytes::{Buf, Bytes, BytesMut};
 use futures_util::stream::{FuturesUnordered, StreamExt};
-use tokio::io::{AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::sync::watch;
 use tracing::{debug, warn};
 
@@ -34,6 +34,7 @@ use super::handshake::Negotiated;
 use super::validate::{validate, Command, Limits};
 use super::Stream;
 use crate::backend::{Backend, BackendError, ReadData, ZeroFlags};
+use crate::buffer::{Buffer, MIN_POOLED};
 use crate::wire::transmission::{ReplyEncoder, ReplyStyle, RequestHeader, RequestStyle};
 use crate::wire::{cmd, NbdError, BASE_ALLOCATION_ID, MAX_PAYLOAD};
 
@@ -87,6 +88,7 @@ pub async fn run<S: Stream>(
         reply_style: negotiated.reply_style,
         inbuf: BytesMut::with_capacity(READ_ROOM),
         reading: true,
+        eof: false,
         ending: String::new(),
         discard_left: 0,
         awaiting_payload: None,
@@ -108,19 +110,30 @@ pub async fn run<S: Stream>(
     let _ = stream.shutdown().await;
 }
 
+/// A write whose payload is still arriving. Payloads of [`MIN_POOLED`] bytes or more are
+/// read straight from the socket into a pooled buffer (`direct`, with how much is filled);
+/// smaller ones are split off the read buffer.
+struct PendingPayload {
+    header: RequestHeader,
+    command: Command,
+    direct: Option<(Buffer, usize)>,
+}
+
 struct Pipeline {
     backend: Arc<dyn Backend>,
     limits: Limits,
     reply_style: ReplyStyle,
     inbuf: BytesMut,
-    /// Still reading requests.
+    /// Still taking requests (from the socket or from what is already buffered).
     reading: bool,
+    /// The client closed its side: requests already buffered are still served.
+    eof: bool,
     /// Why reading stopped.
     ending: String,
     /// Payload bytes of a refused request still to throw away.
     discard_left: u64,
     /// A write whose header was parsed and whose payload is still arriving.
-    awaiting_payload: Option<(RequestHeader, Command)>,
+    awaiting_payload: Option<PendingPayload>,
     in_flight: FuturesUnordered<RequestFuture>,
     outq: VecDeque<Outgoing>,
     /// Bytes of the front message already written.
@@ -185,15 +198,29 @@ impl Pipeline {
                     return Ok(());
                 }
             }
-            if let Some((header, command)) = self.awaiting_payload.take() {
-                let need = header.length as usize;
-                if self.inbuf.len() < need {
-                    self.inbuf.reserve(need - self.inbuf.len());
-                    self.awaiting_payload = Some((header, command));
-                    return Ok(());
-                }
-                let payload = self.inbuf.split_to(need).freeze();
-                self.admit(header, command, Some(payload));
+            if let Some(mut pending) = self.awaiting_payload.take() {
+                let need = pending.header.length as usize;
+                let payload = match pending.direct.take() {
+                    Some((mut buffer, mut filled)) => {
+                        let n = (need - filled).min(self.inbuf.len());
+                        buffer.as_mut()[filled..filled + n].copy_from_slice(&self.inbuf[..n]);
+                        self.inbuf.advance(n);
+                        filled += n;
+                        if filled < need {
+                            pending.direct = Some((buffer, filled));
+                            self.awaiting_payload = Some(pending);
+                            return Ok(());
+                        }
+                        buffer.into_bytes()
+                    }
+                    None if self.inbuf.len() < need => {
+                        self.inbuf.reserve(need - self.inbuf.len());
+                        self.awaiting_payload = Some(pending);
+                        return Ok(());
+                    }
+                    None => self.inbuf.split_to(need).freeze(),
+                };
+                self.admit(pending.header, pending.command, Some(payload));
                 continue;
             }
             let header_len = self.limits.style.header_len();
@@ -219,7 +246,15 @@ impl Pipeline {
                 match verdict {
                     Ok(command) if payload_len <= u64::from(MAX_PAYLOAD) => {
                         self.held += payload_len;
-                        self.awaiting_payload = Some((header, command));
+                        // Every byte of a pooled buffer is overwritten by the payload
+                        // before it is used.
+                        let len = payload_len as usize;
+                        let direct = (len >= MIN_POOLED).then(|| (Buffer::take(len), 0));
+                        self.awaiting_payload = Some(PendingPayload {
+                            header,
+                            command,
+                            direct,
+                        });
                     }
                     other => {
                         if self.limits.style == RequestStyle::Extended
@@ -426,19 +461,36 @@ impl Pipeline {
             }
             let wants_bytes =
                 self.discard_left > 0 || self.awaiting_payload.is_some() || self.can_admit();
-            if self.reading && wants_bytes {
+            if self.reading && !self.eof && wants_bytes {
                 if self.inbuf.capacity() - self.inbuf.len() < READ_ROOM / 4 {
                     self.inbuf.reserve(READ_ROOM);
                 }
-                match tokio_util::io::poll_read_buf(stream.as_mut(), cx, &mut self.inbuf) {
+                let polled = match &mut self.awaiting_payload {
+                    // A large payload, with nothing of it left in the read buffer: read it
+                    // straight into its own buffer.
+                    Some(PendingPayload {
+                        header,
+                        direct: Some((buffer, filled)),
+                        ..
+                    }) if self.inbuf.is_empty() => {
+                        let need = header.length as usize;
+                        let mut window = ReadBuf::new(&mut buffer.as_mut()[*filled..need]);
+                        match stream.as_mut().poll_read(cx, &mut window) {
+                            Poll::Ready(Ok(())) => {
+                                let n = window.filled().len();
+                                *filled += n;
+                                Poll::Ready(Ok(n))
+                            }
+                            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+                            Poll::Pending => Poll::Pending,
+                        }
+                    }
+                    _ => tokio_util::io::poll_read_buf(stream.as_mut(), cx, &mut self.inbuf),
+                };
+                match polled {
                     Poll::Ready(Ok(0)) => {
-                        let why = if self.awaiting_payload.is_some() || self.discard_left > 0 {
-                            "connection ended inside a payload"
-                        } else {
-                            "client closed the connection"
-                        };
-                        self.awaiting_payload = None;
-                        self.stop_reading(why);
+                        self.eof = true;
+                        progressed = true;
                     }
                     Poll::Ready(Ok(_)) => progressed = true,
                     Poll::Ready(Err(e)) => self.stop_reading(format!("read failed: {e}")),
@@ -448,6 +500,16 @@ impl Pipeline {
             if self.reading {
                 if let Err(fatal) = self.parse() {
                     self.stop_reading(fatal);
+                }
+                // After the client's end of stream, what is buffered is still served; once
+                // parsing stops for want of bytes rather than of room, nothing more will come.
+                if self.eof && self.reading && self.can_admit() {
+                    let why = if self.awaiting_payload.is_some() || self.discard_left > 0 {
+                        "connection ended inside a payload"
+                    } else {
+                        "client closed the connection"
+                    };
+                    self.stop_reading(why);
                 }
             }
             while let Poll::Ready(Some(replies)) = self.in_flight.poll_next_unpin(cx) {
@@ -867,5 +929,38 @@ mod tests {
         // The pipe holds 1 MiB each way; the server must have stopped well before
         // queueing replies without limit.
         assert!(sent < 300_000, "{sent} requests were read");
+    }
+
+    #[tokio::test]
+    async fn requests_buffered_when_the_client_closes_its_side_are_still_answered() {
+        let mut client = connect().await;
+        // More zero-length reads than the reply queue admits at once, then end of stream.
+        let count = MAX_QUEUED_REPLIES + 5000;
+        let mut burst = Vec::with_capacity(count * 28);
+        for cookie in 0..count as u64 {
+            let read = RequestHeader {
+                flags: 0,
+                command: cmd::READ,
+                cookie,
+                offset: 0,
+                length: 0,
+            };
+            burst.extend(read.encode(RequestStyle::Compact));
+        }
+        let (mut rx, mut tx) = tokio::io::split(client);
+        let writer = tokio::spawn(async move {
+            tx.write_all(&burst).await.unwrap();
+            tx.shutdown().await.unwrap();
+            tx
+        });
+        let mut replies = Vec::new();
+        rx.read_to_end(&mut replies).await.unwrap();
+        assert_eq!(
+            replies.len(),
+            count * 20,
+            "every request got its reply before the server closed"
+        );
+        client = rx.unsplit(writer.await.unwrap());
+        drop(client);
     }
 }

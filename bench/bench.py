@@ -348,6 +348,7 @@ def write_report(args, selected, results, errors, rounds, runtime, ceiling, elap
         target(f"{text} ≥ {q}× qemu-nbd --cache=none", r, r is not None and r >= q, f"{fmt(r, 2)}×")
         r = ratio(med(results, (w, "netblk-file"), "iops"), med(results, (w, LOCAL), "iops"))
         target(f"{text} ≥ {int(l * 100)}% of local", r, r is not None and r >= l, f"{fmt(r * 100 if r else None)}%")
+    figures = []
     for direction in ("read", "write"):
         sizes = ["4k", "64k", "256k", "1m", "4m", "32m"]
         ours = [med(results, (f"curve-{direction}-{bs}", "netblk-mem"), "mbps") for bs in sizes]
@@ -365,7 +366,9 @@ def write_report(args, selected, results, errors, rounds, runtime, ceiling, elap
             target(f"sequential {direction} at 1 MiB ≥ 80% of loopback ceiling", r, r is not None and r >= 0.8, f"{fmt(r * 100 if r else None)}%")
             svg_lines(os.path.join(plots, f"seq-{direction}.svg"), f"Sequential {direction}, iodepth 8 (MB/s)",
                       sizes, {"netblk": ours, "nbdkit": theirs}, "MB/s")
-            lines += ["", f"![sequential {direction}](plots/seq-{direction}.svg)"]
+            figures.append(f"![sequential {direction}](plots/seq-{direction}.svg)")
+    for figure in figures:
+        lines += ["", figure]
     lines += ["", "## fio command lines", "",
               "Every run: `fio --name=bench --size=1g --time_based --runtime=R --ramp_time=1 --output-format=json "
               "--ioengine=nbd --uri=nbd://127.0.0.1:PORT` plus the workload's arguments (the local row uses "

@@ -285,6 +285,10 @@ where
             }
             Err(e) => {
                 warn!("malformed option: {e}");
+                if header.option == crate::wire::opt::SET_META_CONTEXT {
+                    // The spec: SET_META_CONTEXT replaces the selection even when it fails.
+                    haggle.meta = None;
+                }
                 send_replies(
                     stream,
                     &[OptionReply::error(

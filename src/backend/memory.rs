@@ -87,13 +87,18 @@ impl MemoryBackend {
         });
     }
 
-    fn zero_now(&self, offset: u64, length: u64) {
+    /// Makes a range read as zeroes. With `punch`, whole pages are released (a hole);
+    /// without it every page stays or becomes allocated (NBD_CMD_FLAG_NO_HOLE: the range
+    /// must be fully provisioned afterwards).
+    fn zero_now(&self, offset: u64, length: u64, punch: bool) {
         Self::for_each_piece(offset, length, |page, in_page, _, len| {
             let mut shard = self.shard(page).write().unwrap_or_else(|e| e.into_inner());
-            if len as u64 == PAGE_SIZE {
+            if punch && len as u64 == PAGE_SIZE {
                 shard.remove(&page);
             } else if let Some(bytes) = shard.get_mut(&page) {
                 bytes[in_page..in_page + len].fill(0);
+            } else if !punch {
+                shard.insert(page, vec![0u8; PAGE_SIZE as usize].into_boxed_slice());
             }
         });
     }
@@ -156,15 +161,24 @@ impl Backend for MemoryBackend {
 
     fn trim(&self, offset: u64, length: u64, _fua: bool) -> BackendFuture<'_, ()> {
         Box::pin(async move {
-            self.zero_now(offset, length);
+            self.zero_now(offset, length, true);
             Ok(())
         })
     }
 
-    fn write_zeroes(&self, offset: u64, length: u64, _flags: ZeroFlags) -> BackendFuture<'_, ()> {
-        // Dropping pages is always faster than writing, so FAST_ZERO never fails here.
+    fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> BackendFuture<'_, ()> {
         Box::pin(async move {
-            self.zero_now(offset, length);
+            // Dropping pages is faster than writing; provisioning zeroed pages is not.
+            if flags.fast && !flags.may_trim {
+                let errno = crate::wire::NbdError::NotSup;
+                return Err(super::BackendError::plain(
+                    "write zeroes",
+                    offset,
+                    length,
+                    errno,
+                ));
+            }
+            self.zero_now(offset, length, flags.may_trim);
             Ok(())
         })
     }
@@ -225,10 +239,45 @@ mod tests {
     }
 
     #[test]
+    fn zeroing_with_no_hole_leaves_the_range_allocated() {
+        let m = MemoryBackend::new(4 * PAGE_SIZE, false);
+        block_on(m.write(0, Bytes::from(vec![5u8; PAGE_SIZE as usize]), false)).unwrap();
+        let keep = ZeroFlags {
+            may_trim: false,
+            fast: false,
+            fua: false,
+        };
+        block_on(m.write_zeroes(0, 3 * PAGE_SIZE, keep)).unwrap();
+        let r = block_on(m.read(0, 3 * PAGE_SIZE as usize)).unwrap();
+        assert!(r.data.iter().all(|&b| b == 0));
+        assert_eq!(r.runs, vec![(3 * PAGE_SIZE as usize, false)], "no holes");
+        let ext = block_on(m.extents(0, 4 * PAGE_SIZE)).unwrap();
+        assert_eq!(
+            ext[0],
+            Extent {
+                length: 3 * PAGE_SIZE,
+                hole: false,
+                zero: false
+            }
+        );
+        let fast = ZeroFlags { fast: true, ..keep };
+        let err = block_on(m.write_zeroes(0, PAGE_SIZE, fast)).unwrap_err();
+        assert_eq!(err.errno, crate::wire::NbdError::NotSup);
+    }
+
+    #[test]
     fn zeroing_whole_pages_makes_holes_and_partial_pages_zero() {
         let m = MemoryBackend::new(4 * PAGE_SIZE, false);
         block_on(m.write(0, Bytes::from(vec![7u8; 4 * PAGE_SIZE as usize]), false)).unwrap();
-        block_on(m.write_zeroes(100, 2 * PAGE_SIZE, ZeroFlags::default())).unwrap();
+        block_on(m.write_zeroes(
+            100,
+            2 * PAGE_SIZE,
+            ZeroFlags {
+                may_trim: true,
+                ..ZeroFlags::default()
+            },
+        ))
+        .unwrap();
         let r = block_on(m.read(0, 4 * PAGE_SIZE as usize)).unwrap();
         assert!(r.data[..100].iter().all(|&b| b == 7));
         assert!(r.data[100..100 + 2 * PAGE_SIZE as usize]

@@ -130,10 +130,9 @@ fn qemu_img_info_convert_in_compare_and_convert_out() {
 
 #[test]
 fn qemu_io_writes_reads_flushes_discards_and_zeroes() {
-    if !have("qemu-io") {
+    let Some(server) = server_for("qemu-io", &["memory:64M"]) else {
         return;
-    }
-    let server = Server::start(&["memory:64M"]);
+    };
     let out = qemu_io(
         &[],
         &[
@@ -175,10 +174,12 @@ fn qemu_io_writes_reads_flushes_discards_and_zeroes() {
 
 #[test]
 fn nbdinfo_shows_size_flags_block_sizes_and_description() {
-    if !have("nbdinfo") {
+    let Some(server) = server_for(
+        "nbdinfo",
+        &["--description", "clients test disk", "memory:64M"],
+    ) else {
         return;
-    }
-    let server = Server::start(&["--description", "clients test disk", "memory:64M"]);
+    };
     let info = nbdinfo(&[&server.uri()]);
     for expected in [
         "export-size: 67108864 (64M)",
@@ -341,10 +342,9 @@ fn nbdcopy_uses_four_connections_with_multi_conn() {
 
 #[test]
 fn nbdsh_pwrite_pread_with_and_without_fua() {
-    if !have("nbdsh") {
+    let Some(server) = server_for("nbdsh", &["memory:16M"]) else {
         return;
-    }
-    let server = Server::start(&["memory:16M"]);
+    };
     nbdsh(
         &server.uri(),
         r#"
@@ -366,10 +366,9 @@ print("ok")
 
 #[test]
 fn nbdsh_flush_trim_zero_and_cache() {
-    if !have("nbdsh") {
+    let Some(server) = server_for("nbdsh", &["memory:16M"]) else {
         return;
-    }
-    let server = Server::start(&["memory:16M"]);
+    };
     nbdsh(
         &server.uri(),
         r#"
@@ -397,10 +396,9 @@ print("ok")
 
 #[test]
 fn nbdsh_block_status_reports_base_allocation_extents() {
-    if !have("nbdsh") {
+    let Some(server) = server_for("nbdsh", &["memory:16M"]) else {
         return;
-    }
-    let server = Server::start(&["memory:16M"]);
+    };
     nbdsh_allocation(
         &server.uri(),
         r#"
@@ -431,10 +429,9 @@ print("ok")
 
 #[test]
 fn nbdsh_zero_with_no_hole_leaves_the_range_allocated() {
-    if !have("nbdsh") {
+    let Some(server) = server_for("nbdsh", &["memory:16M"]) else {
         return;
-    }
-    let server = Server::start(&["memory:16M"]);
+    };
     nbdsh_allocation(
         &server.uri(),
         r#"
@@ -450,10 +447,9 @@ print("ok")
 
 #[test]
 fn nbdsh_pread_structured_with_df_gets_one_chunk() {
-    if !have("nbdsh") {
+    let Some(server) = server_for("nbdsh", &["memory:16M"]) else {
         return;
-    }
-    let server = Server::start(&["memory:16M"]);
+    };
     // libnbd 1.14 takes CMD_FLAG_DF only on pread_structured (pread refuses it).
     nbdsh(
         &server.uri(),
@@ -480,10 +476,9 @@ print("ok")
 
 #[test]
 fn nbdsh_read_only_export_refuses_writes_with_eperm() {
-    if !have("nbdsh") {
+    let Some(server) = server_for("nbdsh", &["--read-only", "memory:1M"]) else {
         return;
-    }
-    let server = Server::start(&["--read-only", "memory:1M"]);
+    };
     nbdsh(
         &server.uri(),
         r#"
@@ -562,10 +557,9 @@ print("ok")
 
 #[test]
 fn qemu_io_negotiates_extended_headers() {
-    if !have("qemu-io") {
+    let Some(server) = server_for("qemu-io", &["memory:64M"]) else {
         return;
-    }
-    let server = Server::start(&["memory:64M"]);
+    };
     qemu_io(
         &[],
         &[
@@ -586,10 +580,9 @@ fn qemu_io_negotiates_extended_headers() {
 
 #[test]
 fn python_libnbd_with_simple_replies() {
-    if !have("nbdsh") {
+    let Some(server) = server_for("nbdsh", &["memory:16M"]) else {
         return;
-    }
-    let server = Server::start(&["memory:16M"]);
+    };
     let out = python(
         r#"
 import os, sys, nbd
@@ -656,10 +649,9 @@ fn fio_verify(server: &Server, uri: &str) {
 
 #[test]
 fn fio_randrw_verifies_at_depth_64_over_tcp() {
-    if !have("fio") {
+    let Some(server) = server_for("fio", &["memory:64M"]) else {
         return;
-    }
-    let server = Server::start(&["memory:64M"]);
+    };
     fio_verify(&server, &server.uri());
 }
 

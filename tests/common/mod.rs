@@ -171,6 +171,12 @@ pub fn have(program: &str) -> bool {
     found
 }
 
+/// Starts `netblk serve ARGS` for a test that drives `tool`; `None` (skip) when the tool
+/// is missing outside CI, as [`have`] decides.
+pub fn server_for(tool: &str, args: &[&str]) -> Option<Server> {
+    have(tool).then(|| Server::start(args))
+}
+
 /// Runs a command, failing the test with its output unless it succeeds.
 pub fn run(cmd: &mut Command) -> Output {
     let output = cmd

@@ -742,6 +742,18 @@ mod tests {
     use crate::wire::transmission::DecodedReply;
     use crate::wire::{client_flags, reply};
 
+    /// A compact request header, as a client encodes it.
+    fn request(command: u16, flags: u16, cookie: u64, offset: u64, length: u64) -> Vec<u8> {
+        let header = RequestHeader {
+            flags,
+            command,
+            cookie,
+            offset,
+            length,
+        };
+        header.encode(RequestStyle::Compact)
+    }
+
     /// Negotiates structured replies on a fresh 64 MiB memory export.
     async fn connect() -> DuplexStream {
         let export = Arc::new(Export {
@@ -801,17 +813,8 @@ mod tests {
         let mut client = connect().await;
         let len = 3 * STREAM_PIECE as usize + 12345;
         let pattern: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
-        let write = RequestHeader {
-            flags: 0,
-            command: cmd::WRITE,
-            cookie: 1,
-            offset: 4096,
-            length: len as u64,
-        };
-        client
-            .write_all(&write.encode(RequestStyle::Compact))
-            .await
-            .unwrap();
+        let write = request(cmd::WRITE, 0, 1, 4096, len as u64);
+        client.write_all(&write).await.unwrap();
         client.write_all(&pattern).await.unwrap();
         let (done, _) = DecodedReply::decode(&read_exactly(&mut client, 20).await)
             .unwrap()
@@ -825,17 +828,8 @@ mod tests {
             }
         ));
 
-        let read = RequestHeader {
-            flags: 0,
-            command: cmd::READ,
-            cookie: 2,
-            offset: 4096,
-            length: len as u64,
-        };
-        client
-            .write_all(&read.encode(RequestStyle::Compact))
-            .await
-            .unwrap();
+        let read = request(cmd::READ, 0, 2, 4096, len as u64);
+        client.write_all(&read).await.unwrap();
         let mut assembled = vec![0u8; len];
         let mut covered = 0;
         let mut chunks = 0;
@@ -879,17 +873,8 @@ mod tests {
     async fn a_df_read_is_one_chunk() {
         let mut client = connect().await;
         let len = 3 * STREAM_PIECE as u64;
-        let read = RequestHeader {
-            flags: crate::wire::cmd_flags::DF,
-            command: cmd::READ,
-            cookie: 3,
-            offset: 0,
-            length: len,
-        };
-        client
-            .write_all(&read.encode(RequestStyle::Compact))
-            .await
-            .unwrap();
+        let read = request(cmd::READ, crate::wire::cmd_flags::DF, 3, 0, len);
+        client.write_all(&read).await.unwrap();
         let header = read_exactly(&mut client, 20).await;
         let (reply, _) = DecodedReply::decode(&header).unwrap().unwrap();
         assert_eq!(
@@ -908,14 +893,8 @@ mod tests {
     async fn a_client_that_never_reads_replies_stops_being_read() {
         let mut client = connect().await;
         // Zero-length reads carry no data, so only the reply-queue cap can stop them.
-        let flush = RequestHeader {
-            flags: 0,
-            command: cmd::READ,
-            cookie: 9,
-            offset: 0,
-            length: 0,
-        };
-        let one = flush.encode(RequestStyle::Compact);
+        let flush = request(cmd::READ, 0, 9, 0, 0);
+        let one = flush;
         let burst: Vec<u8> = one.iter().copied().cycle().take(one.len() * 4096).collect();
         let mut sent = 0usize;
         let accepted = tokio::time::timeout(Duration::from_secs(2), async {
@@ -938,14 +917,7 @@ mod tests {
         let count = MAX_QUEUED_REPLIES + 5000;
         let mut burst = Vec::with_capacity(count * 28);
         for cookie in 0..count as u64 {
-            let read = RequestHeader {
-                flags: 0,
-                command: cmd::READ,
-                cookie,
-                offset: 0,
-                length: 0,
-            };
-            burst.extend(read.encode(RequestStyle::Compact));
+            burst.extend(request(cmd::READ, 0, cookie, 0, 0));
         }
         let (mut rx, mut tx) = tokio::io::split(client);
         let writer = tokio::spawn(async move {

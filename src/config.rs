@@ -8,6 +8,7 @@
 //! name = "disk0"
 //! backing = "/srv/disk0.img"
 //! size = "10G"            # creates the file when it is missing
+//! cache = "none"          # O_DIRECT; "writeback" uses the page cache
 //! description = "database volume"
 //!
 //! [[export]]
@@ -21,7 +22,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::backend::BackingSpec;
+use crate::backend::{BackingSpec, CacheMode};
 use crate::size::parse_size;
 
 /// The file as written.
@@ -45,6 +46,7 @@ struct RawExport {
     #[serde(default)]
     read_only: bool,
     size: Option<String>,
+    cache: Option<String>,
 }
 
 /// One export, checked.
@@ -55,6 +57,8 @@ pub struct ExportConfig {
     pub description: String,
     pub read_only: bool,
     pub size: Option<u64>,
+    /// `None`: the default for the kind of backing.
+    pub cache: Option<CacheMode>,
 }
 
 /// A checked configuration.
@@ -137,12 +141,20 @@ impl Config {
                 Some(text) => Some(parse_size(&text).map_err(|e| invalid(key("size"), e))?),
                 None => None,
             };
+            let cache = export
+                .cache
+                .map(|text| {
+                    text.parse::<CacheMode>()
+                        .map_err(|e| invalid(key("cache"), e))
+                })
+                .transpose()?;
             exports.push(ExportConfig {
                 name: export.name,
                 backing,
                 description: export.description,
                 read_only: export.read_only,
                 size,
+                cache,
             });
         }
         for (i, listen) in raw.listen.iter().enumerate() {
@@ -205,6 +217,11 @@ mod tests {
         );
         let e = error_of("[[export]]\nname = \"a\"\nbacking = \"/x\"\nsize = \"1Q\"\n");
         assert!(e.contains("export[0].size"), "{e}");
+        let e = error_of("[[export]]\nname = \"a\"\nbacking = \"/x\"\ncache = \"off\"\n");
+        assert!(
+            e.contains("export[0].cache") && e.contains("writeback"),
+            "{e}"
+        );
         let e = error_of("[[export]]\nname = \"a\"\nbacking = \"memory:1M\"\n[[export]]\nname = \"a\"\nbacking = \"memory:1M\"\n");
         assert!(e.contains("export[1].name") && e.contains("twice"), "{e}");
         let e =

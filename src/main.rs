@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
-use netblk::backend::BackingSpec;
+use netblk::backend::{BackingSpec, CacheMode};
 use netblk::config::{Config, ExportConfig};
 use netblk::listen::ListenAddr;
 use netblk::server::{serve, Export, ServerConfig};
@@ -67,9 +67,15 @@ struct ServeArgs {
     #[arg(long, value_name = "SIZE")]
     size: Option<String>,
 
+    /// How a file or block device is read and written: "none" bypasses the page cache with
+    /// O_DIRECT (the default for block devices), "writeback" goes through it (the default
+    /// for regular files). FLUSH and FUA are honoured in both. Example: --cache none
+    #[arg(long, value_name = "MODE", value_parser = clap::builder::ValueParser::new(str::parse::<CacheMode>))]
+    cache: Option<CacheMode>,
+
     /// A TOML file describing several exports (and listeners); see README.md.
     /// Example: --config /etc/netblk/exports.toml
-    #[arg(long, value_name = "FILE", conflicts_with_all = ["backing", "name", "description", "read_only", "size"])]
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["backing", "name", "description", "read_only", "size", "cache"])]
     config: Option<PathBuf>,
 
     /// Disconnect clients that have not finished the handshake after this long.
@@ -131,6 +137,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
                 description: args.description.clone(),
                 read_only: args.read_only,
                 size,
+                cache: args.cache,
             };
             (vec![export], Vec::new(), None)
         }
@@ -149,7 +156,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     for export in exports {
         let backend = export
             .backing
-            .open(export.size, export.read_only)
+            .open(export.size, export.read_only, export.cache)
             .with_context(|| format!("export {:?}", export.name))?;
         opened.push(Arc::new(Export {
             name: export.name,

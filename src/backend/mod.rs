@@ -8,6 +8,8 @@
 
 pub mod file;
 pub mod memory;
+pub mod range_lock;
+pub mod uring;
 
 use std::future::Future;
 use std::path::PathBuf;
@@ -180,6 +182,39 @@ pub trait Backend: Send + Sync + 'static {
     fn extents(&self, offset: u64, length: u64) -> BackendFuture<'_, Vec<Extent>>;
 }
 
+/// How a file or block device export uses the kernel's page cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheMode {
+    /// `O_DIRECT`: data goes straight between the device and the server's buffers. The
+    /// default for block devices, whose page cache would only duplicate the guest's own.
+    None,
+    /// Through the page cache: the default for regular files.
+    Writeback,
+}
+
+impl std::str::FromStr for CacheMode {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<CacheMode, String> {
+        match text {
+            "none" => Ok(CacheMode::None),
+            "writeback" => Ok(CacheMode::Writeback),
+            other => Err(format!(
+                "unknown cache mode {other:?} (expected \"none\" or \"writeback\")"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for CacheMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            CacheMode::None => "none",
+            CacheMode::Writeback => "writeback",
+        })
+    }
+}
+
 /// Where an export's data lives, as given on the command line or in a config file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum BackingSpec {
@@ -206,8 +241,14 @@ impl BackingSpec {
     }
 
     /// Opens the backing. `size` creates a missing file of that size (and must match an
-    /// existing one); `read_only` opens without write access.
-    pub fn open(&self, size: Option<u64>, read_only: bool) -> anyhow::Result<Arc<dyn Backend>> {
+    /// existing one); `read_only` opens without write access; `cache` chooses direct or
+    /// page-cache I/O for files and block devices (memory exports have no page cache).
+    pub fn open(
+        &self,
+        size: Option<u64>,
+        read_only: bool,
+        cache: Option<CacheMode>,
+    ) -> anyhow::Result<Arc<dyn Backend>> {
         match self {
             BackingSpec::Memory { size: mem } => {
                 if let Some(size) = size {
@@ -215,9 +256,9 @@ impl BackingSpec {
                 }
                 Ok(Arc::new(memory::MemoryBackend::new(*mem, read_only)))
             }
-            BackingSpec::Path(path) => {
-                Ok(Arc::new(file::FileBackend::open(path, size, read_only)?))
-            }
+            BackingSpec::Path(path) => Ok(Arc::new(file::FileBackend::open(
+                path, size, read_only, cache,
+            )?)),
         }
     }
 }
@@ -239,6 +280,14 @@ mod tests {
         assert!(BackingSpec::parse("memory:0").is_err());
         assert!(BackingSpec::parse("memory:lots").is_err());
         assert!(BackingSpec::parse("").is_err());
+    }
+
+    #[test]
+    fn cache_modes_parse_and_print() {
+        for mode in [CacheMode::None, CacheMode::Writeback] {
+            assert_eq!(mode.to_string().parse::<CacheMode>().unwrap(), mode);
+        }
+        assert!("unsafe".parse::<CacheMode>().is_err());
     }
 
     #[test]

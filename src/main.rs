@@ -11,8 +11,9 @@ use clap::{Parser, Subcommand};
 use netblk::backend::{BackingSpec, CacheMode};
 use netblk::config::{Config, ExportConfig};
 use netblk::listen::ListenAddr;
-use netblk::server::{serve, Export, ServerConfig};
+use netblk::server::{serve, Export, ServerConfig, DEFAULT_MAX_MERGE};
 use netblk::size::parse_size;
+use netblk::wire::MAX_PAYLOAD;
 
 /// A network block device in user space: exports files, block devices or memory over the
 /// standard NBD protocol, so qemu, the kernel nbd driver, libnbd tools and fio use it as is.
@@ -82,6 +83,11 @@ struct ServeArgs {
     /// Example: --handshake-timeout 30s
     #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
     handshake_timeout: Option<Duration>,
+
+    /// Merge adjacent reads that arrive together into one backend read of up to this size
+    /// (0 turns merging off). Default 256K. Example: --max-merge 1M
+    #[arg(long, value_name = "SIZE")]
+    max_merge: Option<String>,
 
     /// Worker threads that serve connections (default: one per CPU). Example: --threads 2
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
@@ -164,6 +170,16 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
             backend,
         }));
     }
+    let max_merge = match &args.max_merge {
+        None => DEFAULT_MAX_MERGE,
+        Some(text) => {
+            let size = parse_size(text).map_err(|e| anyhow::anyhow!("--max-merge {e}"))?;
+            u32::try_from(size)
+                .ok()
+                .filter(|&s| s <= MAX_PAYLOAD)
+                .ok_or_else(|| anyhow::anyhow!("--max-merge {text}: at most 32M"))?
+        }
+    };
     let handshake_timeout = args
         .handshake_timeout
         .or(timeout)
@@ -193,6 +209,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         let config = ServerConfig {
             exports: opened,
             handshake_timeout,
+            max_merge,
         };
         serve(listeners, config, shutdown).await
     })

@@ -140,6 +140,24 @@ pub struct ReadData {
 }
 
 impl ReadData {
+    /// The part `[start, start + length)` of this data, with its runs cut to match.
+    pub fn slice(&self, start: usize, length: usize) -> ReadData {
+        let end = start + length;
+        let mut runs = Vec::new();
+        let mut at = 0usize;
+        for &(len, hole) in &self.runs {
+            let (from, to) = (at.max(start), (at + len).min(end));
+            if from < to {
+                runs.push((to - from, hole));
+            }
+            at += len;
+        }
+        ReadData {
+            data: self.data.slice(start..end),
+            runs,
+        }
+    }
+
     /// Data with no holes.
     pub fn dense(data: Bytes) -> ReadData {
         let len = data.len();
@@ -280,6 +298,20 @@ mod tests {
         assert!(BackingSpec::parse("memory:0").is_err());
         assert!(BackingSpec::parse("memory:lots").is_err());
         assert!(BackingSpec::parse("").is_err());
+    }
+
+    #[test]
+    fn read_data_slices_keep_their_runs() {
+        let whole = ReadData {
+            data: Bytes::from((0..100u8).collect::<Vec<_>>()),
+            runs: vec![(10, false), (30, true), (60, false)],
+        };
+        let part = whole.slice(5, 40);
+        assert_eq!(part.data[0], 5);
+        assert_eq!(part.data.len(), 40);
+        assert_eq!(part.runs, vec![(5, false), (30, true), (5, false)]);
+        assert_eq!(whole.slice(12, 5).runs, vec![(5, true)]);
+        assert_eq!(whole.slice(0, 100), whole);
     }
 
     #[test]

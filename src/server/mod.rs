@@ -42,7 +42,13 @@ pub struct ServerConfig {
     pub exports: Vec<Arc<Export>>,
     /// A client that has not finished negotiating after this long is disconnected.
     pub handshake_timeout: Duration,
+    /// Adjacent reads that arrive together are served by one backend read of up to this
+    /// many bytes (0: never merge).
+    pub max_merge: u32,
 }
+
+/// The default for [`ServerConfig::max_merge`] (see ARCHITECTURE.md for the measurement).
+pub const DEFAULT_MAX_MERGE: u32 = 256 * 1024;
 
 /// A bound listening socket.
 pub enum Listener {
@@ -190,6 +196,6 @@ pub async fn handle_connection<S: Stream>(
         Ok(Ok(negotiated)) => negotiated,
     };
     info!(export = %negotiated.export.name, reply = ?negotiated.reply_style, "transmission");
-    pipeline::run(stream, negotiated, stop).await;
+    pipeline::run(stream, negotiated, config.max_merge, stop).await;
     drop(alive);
 }

@@ -8,6 +8,10 @@
 //!   order, and a backend that completes at once (memory) costs no task switch at all;
 //! * **write**: gather every queued reply into one vectored write.
 //!
+//! Adjacent reads parsed in the same batch are merged into one backend read of up to
+//! `max_merge` bytes (sequential 4 KiB reads become one large read), and each request is
+//! answered from its slice of the result.
+//!
 //! Large reads with chunked replies are split into pieces that run concurrently, and each
 //! piece's data leaves as its own `OFFSET_DATA` chunk as soon as it is read, so a 32 MiB
 //! read starts flowing early instead of arriving as one burst.
@@ -72,6 +76,7 @@ type RequestFuture = Pin<Box<dyn Future<Output = Replies> + Send>>;
 pub async fn run<S: Stream>(
     mut stream: S,
     negotiated: Negotiated,
+    max_merge: u32,
     mut stop: watch::Receiver<bool>,
 ) {
     let backend = Arc::clone(&negotiated.export.backend);
@@ -97,6 +102,8 @@ pub async fn run<S: Stream>(
         front_written: 0,
         held: 0,
         stop_seen: false,
+        max_merge,
+        merging: None,
     };
     let mut stopped = Box::pin(async move {
         let _ = stop.wait_for(|s| *s).await;
@@ -119,7 +126,26 @@ struct PendingPayload {
     direct: Option<(Buffer, usize)>,
 }
 
+/// One client read inside a merged backend read.
+struct ReadPart {
+    enc: ReplyEncoder,
+    offset: u64,
+    length: u32,
+    df: bool,
+}
+
+/// Adjacent reads gathered while parsing one batch, to be served by one backend read.
+struct MergedRead {
+    offset: u64,
+    length: u32,
+    parts: Vec<ReadPart>,
+}
+
 struct Pipeline {
+    /// Largest merged read (0: no merging).
+    max_merge: u32,
+    /// Reads gathered in the current parse batch, not yet started.
+    merging: Option<MergedRead>,
     backend: Arc<dyn Backend>,
     limits: Limits,
     reply_style: ReplyStyle,
@@ -189,6 +215,45 @@ impl Pipeline {
     /// Parses and admits every complete request in the buffer that the limits allow.
     /// `Err` means the stream cannot be parsed any further.
     fn parse(&mut self) -> Result<(), String> {
+        let parsed = self.parse_batch();
+        self.start_merged_read();
+        parsed
+    }
+
+    /// Starts the reads gathered for merging, as one backend read.
+    fn start_merged_read(&mut self) {
+        let Some(merged) = self.merging.take() else {
+            return;
+        };
+        let backend = Arc::clone(&self.backend);
+        if let [part] = &merged.parts[..] {
+            let (enc, offset, length, df) = (part.enc, part.offset, part.length, part.df);
+            self.in_flight.push(Box::pin(async move {
+                read_whole(&*backend, enc, offset, length, df).await
+            }));
+            return;
+        }
+        self.in_flight.push(Box::pin(async move {
+            let result = backend.read(merged.offset, merged.length as usize).await;
+            let mut out = Vec::with_capacity(merged.parts.len());
+            for part in merged.parts {
+                let start = (part.offset - merged.offset) as usize;
+                let slice = result
+                    .as_ref()
+                    .map(|read| read.slice(start, part.length as usize));
+                out.extend(read_reply(
+                    part.enc,
+                    part.offset,
+                    part.length,
+                    part.df,
+                    slice,
+                ));
+            }
+            out
+        }));
+    }
+
+    fn parse_batch(&mut self) -> Result<(), String> {
         loop {
             if self.discard_left > 0 {
                 let n = self.discard_left.min(self.inbuf.len() as u64);
@@ -292,10 +357,33 @@ impl Pipeline {
                     } else {
                         1
                     };
-                if pieces == 1 {
+                if pieces == 1 && length == 0 {
                     self.in_flight.push(Box::pin(async move {
                         read_whole(&*backend, enc, offset, length, df).await
                     }));
+                    return;
+                }
+                if pieces == 1 {
+                    let part = ReadPart {
+                        enc,
+                        offset,
+                        length,
+                        df,
+                    };
+                    if let Some(merged) = &mut self.merging {
+                        let adjacent = merged.offset + u64::from(merged.length) == offset;
+                        if adjacent && merged.length.saturating_add(length) <= self.max_merge {
+                            merged.length += length;
+                            merged.parts.push(part);
+                            return;
+                        }
+                    }
+                    self.start_merged_read();
+                    self.merging = Some(MergedRead {
+                        offset,
+                        length,
+                        parts: vec![part],
+                    });
                     return;
                 }
                 let shared = Arc::new(Mutex::new(StreamedRead {
@@ -628,9 +716,24 @@ async fn read_whole(
             release,
         }];
     }
-    let read = match backend.read(offset, length as usize).await {
+    match backend.read(offset, length as usize).await {
+        Ok(read) => read_reply(enc, offset, length, df, Ok(read)),
+        Err(e) => read_reply(enc, offset, length, df, Err(&e)),
+    }
+}
+
+/// The reply to a read of `length` bytes at `offset`, from what the backend returned.
+fn read_reply(
+    enc: ReplyEncoder,
+    offset: u64,
+    length: u32,
+    df: bool,
+    read: Result<ReadData, &BackendError>,
+) -> Replies {
+    let release = u64::from(length);
+    let read = match read {
         Ok(read) => read,
-        Err(e) => return error_reply(enc, &e, release),
+        Err(e) => return error_reply(enc, e, release),
     };
     let mut out = Vec::with_capacity(read.runs.len());
     if enc.style == ReplyStyle::Simple || df {
@@ -756,14 +859,139 @@ mod tests {
 
     /// Negotiates structured replies on a fresh 64 MiB memory export.
     async fn connect() -> DuplexStream {
+        connect_to(Arc::new(MemoryBackend::new(64 << 20, false))).await
+    }
+
+    /// A memory export that counts the reads it is asked for.
+    struct CountingReads {
+        inner: MemoryBackend,
+        reads: std::sync::atomic::AtomicUsize,
+    }
+
+    impl Backend for CountingReads {
+        fn size(&self) -> u64 {
+            self.inner.size()
+        }
+        fn capabilities(&self) -> crate::backend::Capabilities {
+            self.inner.capabilities()
+        }
+        fn read(&self, offset: u64, length: usize) -> crate::backend::BackendFuture<'_, ReadData> {
+            self.reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            self.inner.read(offset, length)
+        }
+        fn write(
+            &self,
+            offset: u64,
+            data: Bytes,
+            fua: bool,
+        ) -> crate::backend::BackendFuture<'_, ()> {
+            self.inner.write(offset, data, fua)
+        }
+        fn flush(&self) -> crate::backend::BackendFuture<'_, ()> {
+            self.inner.flush()
+        }
+        fn trim(
+            &self,
+            offset: u64,
+            length: u64,
+            fua: bool,
+        ) -> crate::backend::BackendFuture<'_, ()> {
+            self.inner.trim(offset, length, fua)
+        }
+        fn write_zeroes(
+            &self,
+            offset: u64,
+            length: u64,
+            flags: ZeroFlags,
+        ) -> crate::backend::BackendFuture<'_, ()> {
+            self.inner.write_zeroes(offset, length, flags)
+        }
+        fn cache(&self, offset: u64, length: u64) -> crate::backend::BackendFuture<'_, ()> {
+            self.inner.cache(offset, length)
+        }
+        fn extents(
+            &self,
+            offset: u64,
+            length: u64,
+        ) -> crate::backend::BackendFuture<'_, Vec<crate::backend::Extent>> {
+            self.inner.extents(offset, length)
+        }
+    }
+
+    #[tokio::test]
+    async fn adjacent_reads_sent_together_are_served_by_one_backend_read() {
+        let backend = Arc::new(CountingReads {
+            inner: MemoryBackend::new(64 << 20, false),
+            reads: Default::default(),
+        });
+        let mut client = connect_to(Arc::clone(&backend) as Arc<dyn Backend>).await;
+        // 64 KiB of pattern, then a 64 KiB hole (a page never written).
+        let pattern: Vec<u8> = (0..65536).map(|i| (i * 13 % 251) as u8).collect();
+        client
+            .write_all(&request(cmd::WRITE, 0, 1, 0, 65536))
+            .await
+            .unwrap();
+        client.write_all(&pattern).await.unwrap();
+        read_exactly(&mut client, 20).await;
+        let before = backend.reads.load(std::sync::atomic::Ordering::SeqCst);
+        // 32 adjacent 4 KiB reads across the data and the hole, in one send.
+        let batch: Vec<u8> = (0..32u64)
+            .flat_map(|i| request(cmd::READ, 0, 100 + i, i * 4096, 4096))
+            .collect();
+        client.write_all(&batch).await.unwrap();
+        let mut seen = std::collections::HashSet::new();
+        while seen.len() < 32 {
+            let header = read_exactly(&mut client, 20).await;
+            let Some((
+                DecodedReply::Chunk {
+                    flags,
+                    kind,
+                    cookie,
+                    payload_len,
+                    ..
+                },
+                _,
+            )) = DecodedReply::decode(&header).unwrap()
+            else {
+                panic!("structured chunk expected")
+            };
+            let payload = read_exactly(&mut client, payload_len as usize).await;
+            let i = cookie - 100;
+            let at = u64::from_be_bytes(payload[..8].try_into().unwrap());
+            assert_eq!(at, i * 4096, "each reply is for its own request");
+            match kind {
+                reply::TYPE_OFFSET_DATA => {
+                    assert!(i < 16, "data where the hole is");
+                    let at = at as usize;
+                    assert_eq!(&payload[8..], &pattern[at..at + 4096]);
+                }
+                reply::TYPE_OFFSET_HOLE => {
+                    assert!(i >= 16, "a hole where the data is");
+                    assert_eq!(u32::from_be_bytes(payload[8..12].try_into().unwrap()), 4096);
+                }
+                other => panic!("unexpected chunk type {other}"),
+            }
+            assert!(flags & reply::FLAG_DONE != 0);
+            assert!(seen.insert(cookie), "two replies for {cookie}");
+        }
+        let reads = backend.reads.load(std::sync::atomic::Ordering::SeqCst) - before;
+        assert!(
+            reads < 32,
+            "32 adjacent reads took {reads} backend reads: nothing merged"
+        );
+    }
+
+    /// Negotiates structured replies on `backend`.
+    async fn connect_to(backend: Arc<dyn Backend>) -> DuplexStream {
         let export = Arc::new(Export {
             name: String::new(),
             description: String::new(),
-            backend: Arc::new(MemoryBackend::new(64 << 20, false)),
+            backend,
         });
         let config = Arc::new(ServerConfig {
             exports: vec![export],
             handshake_timeout: Duration::from_secs(5),
+            max_merge: crate::server::DEFAULT_MAX_MERGE,
         });
         let (mut client, server) = tokio::io::duplex(1 << 20);
         let (_stop_tx, stop_rx) = watch::channel(false);

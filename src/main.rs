@@ -77,6 +77,16 @@ struct ServeArgs {
     #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
     handshake_timeout: Option<Duration>,
 
+    /// With a resource file (--config with a [resource] table): which node this is.
+    /// Example: --config r0.toml --node alpha
+    #[arg(long, value_name = "NAME", requires = "config")]
+    node: Option<String>,
+
+    /// With a resource file: start as the primary (refused if this node's data may be
+    /// older than a peer's).
+    #[arg(long, requires = "node")]
+    primary: bool,
+
     /// Worker threads that serve connections (default: one per CPU). Example: --threads 2
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
     threads: Option<u16>,
@@ -108,6 +118,16 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
+    if let Some(path) = &args.config {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        if netblk::replication::config::is_resource_file(&text) {
+            return run_replicated(&args, path);
+        }
+        if args.node.is_some() {
+            bail!("--node needs a resource file (one with a [resource] table)");
+        }
+    }
     let (exports, mut listen, timeout) = match &args.config {
         Some(path) => {
             let config = Config::load(path)?;
@@ -188,6 +208,38 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
             handshake_timeout,
         };
         serve(listeners, config, shutdown).await
+    })
+}
+
+/// `netblk serve --config RESOURCE.toml --node NAME`: one node of a replicated export.
+fn run_replicated(args: &ServeArgs, path: &std::path::Path) -> anyhow::Result<()> {
+    use netblk::replication::{config::ResourceConfig, node::Node};
+    let resource = ResourceConfig::load(path)?;
+    let Some(name) = args.node.clone() else {
+        bail!(
+            "{} is a resource file: say which node this is with --node NAME",
+            path.display()
+        );
+    };
+    if !args.listen.is_empty() {
+        bail!("--listen does not apply to a resource file: each node's listen address is in it");
+    }
+    let handshake_timeout = args.handshake_timeout.unwrap_or(DEFAULT_HANDSHAKE_TIMEOUT);
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if let Some(threads) = args.threads {
+        runtime.worker_threads(usize::from(threads));
+    }
+    let runtime = runtime.enable_all().build().context("starting tokio")?;
+    let primary = args.primary;
+    runtime.block_on(async move {
+        let shutdown = shutdown_signal()?;
+        let node = Node::bind(resource, &name, primary, handshake_timeout).await?;
+        let mut stdout = std::io::stdout().lock();
+        writeln!(stdout, "listening on {}", node.client_listener())?;
+        writeln!(stdout, "replicating on {}", node.replication_listener())?;
+        stdout.flush()?;
+        drop(stdout);
+        node.serve(shutdown).await
     })
 }
 

@@ -32,5 +32,8 @@
 
 pub mod config;
 pub mod generation;
+pub mod layer;
 pub mod meta;
+pub mod node;
+pub mod peer;
 pub mod wire;

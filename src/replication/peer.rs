@@ -1,0 +1,734 @@
+//! Peer connections: dialling and accepting, the hello exchange and its checks, one
+//! writer task per connection that batches frames into one send, and the reader that
+//! delivers acks to waiting writes or, on a secondary, applies what the primary sends.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::OwnedReadHalf;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, oneshot, watch};
+use tracing::{debug, info, warn};
+
+use super::config::Protocol;
+use super::generation::SyncDecision;
+use super::layer::Shared;
+use super::wire::{write_flags, DiskState, Hello, Message, ResyncStatus, Role, PROTOCOL_VERSION};
+use crate::backend::{BackendFuture, ZeroFlags};
+
+/// What a reply is waited for under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WaitKey {
+    /// The ack of a write, trim or zero.
+    Seq(u64),
+    /// Protocol B's "received" of a write.
+    Received(u64),
+    /// The ack of a barrier.
+    Epoch(u64),
+    /// The reply to a read, resync or checksum request.
+    Request(u64),
+}
+
+/// What this node does with a peer after the hello exchange.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Plan {
+    /// This node is primary: replicate to the peer and resync it (`full`: everything).
+    Source { full: bool },
+    /// The peer is primary: apply what it sends.
+    Target,
+    /// Both are secondary: stay connected, nothing to replicate.
+    Idle,
+}
+
+/// One live connection to a peer.
+pub struct PeerConn {
+    pub peer: String,
+    pub plan: Plan,
+    /// Replicated writes go to this peer.
+    pub replicating: AtomicBool,
+    outgoing: mpsc::UnboundedSender<Message>,
+    waiters: Mutex<HashMap<WaitKey, oneshot::Sender<Message>>>,
+    /// Writes sent and not yet acknowledged: sequence number → (offset, length).
+    in_flight: Mutex<HashMap<u64, (u64, u64)>>,
+    closed: watch::Sender<bool>,
+}
+
+impl PeerConn {
+    fn new(peer: &str, plan: Plan, outgoing: mpsc::UnboundedSender<Message>) -> Arc<PeerConn> {
+        Arc::new(PeerConn {
+            peer: peer.to_string(),
+            plan,
+            replicating: AtomicBool::new(false),
+            outgoing,
+            waiters: Mutex::new(HashMap::new()),
+            in_flight: Mutex::new(HashMap::new()),
+            closed: watch::channel(false).0,
+        })
+    }
+
+    /// Queues a message (dropped if the connection is gone).
+    pub fn send(&self, message: Message) {
+        let _ = self.outgoing.send(message);
+    }
+
+    /// Queues a message and returns where its reply arrives. If the connection closes
+    /// first, the receiver reports an error.
+    pub fn request(&self, key: WaitKey, message: Message) -> oneshot::Receiver<Message> {
+        let (tx, rx) = oneshot::channel();
+        if !self.is_closed() {
+            self.waiters
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(key, tx);
+            self.send(message);
+        }
+        rx
+    }
+
+    /// Queues a replicated write, remembering its range until the ack.
+    pub fn send_write(
+        &self,
+        seq: u64,
+        offset: u64,
+        length: u64,
+        key: WaitKey,
+        message: Message,
+    ) -> oneshot::Receiver<Message> {
+        self.in_flight
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(seq, (offset, length));
+        self.request(key, message)
+    }
+
+    /// The ranges of writes sent and never acknowledged.
+    pub fn take_in_flight(&self) -> Vec<(u64, u64)> {
+        let mut in_flight = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        in_flight.drain().map(|(_, range)| range).collect()
+    }
+
+    /// Ends the connection: every waiter gets an error.
+    pub fn close(&self) {
+        self.closed.send_replace(true);
+        self.waiters
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+    }
+
+    pub fn is_closed(&self) -> bool {
+        *self.closed.borrow()
+    }
+
+    fn deliver(&self, key: WaitKey, message: Message) {
+        if let WaitKey::Seq(seq) = key {
+            self.in_flight
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&seq);
+        }
+        let waiter = self
+            .waiters
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&key);
+        if let Some(waiter) = waiter {
+            let _ = waiter.send(message);
+        }
+    }
+}
+
+/// Accepts peers on `listener` and dials the peers this node dials (those whose names
+/// sort after its own), until `stop` turns true.
+pub async fn run_replication(
+    shared: Arc<Shared>,
+    listener: TcpListener,
+    stop: watch::Receiver<bool>,
+) {
+    for index in 0..shared.peers.len() {
+        if shared.node < shared.peers[index].config.name {
+            tokio::spawn(dial_loop(Arc::clone(&shared), index, stop.clone()));
+        }
+    }
+    let mut stop_accept = stop.clone();
+    loop {
+        let accepted = tokio::select! {
+            _ = stop_accept.wait_for(|s| *s) => return,
+            accepted = listener.accept() => accepted,
+        };
+        match accepted {
+            Ok((stream, addr)) => {
+                tokio::spawn(run_connection(
+                    Arc::clone(&shared),
+                    stream,
+                    addr,
+                    None,
+                    stop.clone(),
+                ));
+            }
+            Err(e) => {
+                warn!("accepting a peer failed: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+async fn dial_loop(shared: Arc<Shared>, index: usize, mut stop: watch::Receiver<bool>) {
+    let addr = shared.peers[index].config.replication;
+    let retry = Duration::from_millis(500);
+    loop {
+        if *stop.borrow() {
+            return;
+        }
+        match tokio::time::timeout(shared.resource.peer_timeout, TcpStream::connect(addr)).await {
+            Ok(Ok(stream)) => {
+                run_connection(Arc::clone(&shared), stream, addr, Some(index), stop.clone()).await;
+            }
+            Ok(Err(e)) => {
+                debug!(peer = %shared.peers[index].config.name, "connecting to {addr}: {e}")
+            }
+            Err(_) => {
+                debug!(peer = %shared.peers[index].config.name, "connecting to {addr} timed out")
+            }
+        }
+        tokio::select! {
+            _ = stop.wait_for(|s| *s) => return,
+            _ = tokio::time::sleep(retry) => {}
+        }
+    }
+}
+
+fn our_hello(shared: &Shared) -> Hello {
+    let (disk, generations) = shared.local_state();
+    Hello {
+        version: PROTOCOL_VERSION,
+        resource: shared.resource.name.clone(),
+        node: shared.node.clone(),
+        size: shared.local.size(),
+        generations,
+        role: shared.role(),
+        disk,
+    }
+}
+
+/// Checks a peer's hello against the resource file and decides what to do with it.
+fn check_hello(
+    shared: &Shared,
+    hello: &Hello,
+    expected: Option<usize>,
+) -> Result<(usize, Plan), String> {
+    if hello.version != PROTOCOL_VERSION {
+        return Err(format!(
+            "peer speaks protocol version {}, this node {PROTOCOL_VERSION}",
+            hello.version
+        ));
+    }
+    if hello.resource != shared.resource.name {
+        return Err(format!(
+            "peer {:?} belongs to resource {:?}, not {:?}",
+            hello.node, hello.resource, shared.resource.name
+        ));
+    }
+    let index = shared
+        .peers
+        .iter()
+        .position(|slot| slot.config.name == hello.node)
+        .ok_or_else(|| {
+            format!(
+                "node {:?} is not a peer of {:?} in the resource file",
+                hello.node, shared.node
+            )
+        })?;
+    if let Some(expected) = expected {
+        if expected != index {
+            return Err(format!(
+                "dialled {:?} but {:?} answered",
+                shared.peers[expected].config.name, hello.node
+            ));
+        }
+    }
+    if hello.size != shared.local.size() {
+        return Err(format!(
+            "peer {:?} has a device of {} bytes, this node {}",
+            hello.node,
+            hello.size,
+            shared.local.size()
+        ));
+    }
+    let (_, mine) = shared.local_state();
+    let decision = mine.compare(&hello.generations);
+    let split = |what: &str| {
+        format!(
+            "{what} with {:?}: generations {:#x}/{:#x} here, {:#x}/{:#x} there; resolve by hand \
+             (recreate the metadata of the node whose changes are to be discarded)",
+            hello.node,
+            mine.current,
+            mine.bitmap,
+            hello.generations.current,
+            hello.generations.bitmap
+        )
+    };
+    match decision {
+        SyncDecision::SplitBrain => return Err(split("split brain")),
+        SyncDecision::Unrelated => return Err(split("unrelated data")),
+        _ => {}
+    }
+    let plan = match (shared.role(), hello.role) {
+        (Role::Primary, Role::Primary) => {
+            return Err(format!("{:?} is primary too", hello.node));
+        }
+        (Role::Primary, Role::Secondary) => match decision {
+            SyncDecision::InSync | SyncDecision::SourceFromBitmap => Plan::Source { full: false },
+            SyncDecision::SourceFull => Plan::Source { full: true },
+            _ => {
+                return Err(format!(
+                    "peer {:?} has newer data than this primary ({decision:?}); demote this node",
+                    hello.node
+                ))
+            }
+        },
+        (Role::Secondary, Role::Primary) => match decision {
+            SyncDecision::InSync | SyncDecision::TargetFromBitmap | SyncDecision::TargetFull => {
+                Plan::Target
+            }
+            _ => {
+                return Err(format!(
+                    "this node has newer data than primary {:?} ({decision:?})",
+                    hello.node
+                ))
+            }
+        },
+        (Role::Secondary, Role::Secondary) => Plan::Idle,
+    };
+    Ok((index, plan))
+}
+
+/// Reads until one whole frame is in `buf`, within `timeout`.
+async fn read_message(
+    reader: &mut OwnedReadHalf,
+    buf: &mut BytesMut,
+    timeout: Duration,
+) -> Result<Message, String> {
+    loop {
+        match Message::decode(buf) {
+            Ok(Some(message)) => return Ok(message),
+            Ok(None) => {}
+            Err(e) => return Err(format!("bad frame: {e}")),
+        }
+        match tokio::time::timeout(timeout, reader.read_buf(buf)).await {
+            Err(_) => return Err(format!("silent for {timeout:?}")),
+            Ok(Ok(0)) => return Err("connection closed".into()),
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => return Err(e.to_string()),
+        }
+    }
+}
+
+/// One peer connection from hello to close.
+async fn run_connection(
+    shared: Arc<Shared>,
+    stream: TcpStream,
+    addr: SocketAddr,
+    expected: Option<usize>,
+    stop: watch::Receiver<bool>,
+) {
+    if let Err(e) = stream.set_nodelay(true) {
+        warn!("TCP_NODELAY on {addr}: {e}");
+    }
+    let (mut reader, mut writer) = stream.into_split();
+    let timeout = shared.resource.peer_timeout;
+    let mut out = BytesMut::new();
+    Message::Hello(our_hello(&shared)).encode(&mut out);
+    if writer.write_all(&out).await.is_err() {
+        return;
+    }
+    let mut buf = BytesMut::with_capacity(256 * 1024);
+    let hello = match read_message(&mut reader, &mut buf, timeout).await {
+        Ok(Message::Hello(hello)) => hello,
+        Ok(Message::Refuse { reason }) => {
+            warn!("peer at {addr} refused this node: {reason}");
+            return;
+        }
+        Ok(other) => {
+            warn!("peer at {addr} sent {} before its hello", other.name());
+            return;
+        }
+        Err(e) => {
+            debug!("no hello from {addr}: {e}");
+            return;
+        }
+    };
+    let checked = check_hello(&shared, &hello, expected).and_then(|(index, plan)| {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let conn = PeerConn::new(&hello.node, plan, tx);
+        shared.install(&shared.peers[index], Arc::clone(&conn), plan)?;
+        Ok((index, conn, rx))
+    });
+    let (index, conn, outgoing) = match checked {
+        Ok(ok) => ok,
+        Err(reason) => {
+            warn!("refusing peer {:?} at {addr}: {reason}", hello.node);
+            let mut out = BytesMut::new();
+            Message::Refuse { reason }.encode(&mut out);
+            let _ = writer.write_all(&out).await;
+            return;
+        }
+    };
+    let slot = &shared.peers[index];
+    info!(peer = %hello.node, %addr, plan = ?conn.plan, "peer connected");
+    let writer_task = tokio::spawn(write_frames(writer, outgoing, Arc::clone(&conn)));
+    let pinger = tokio::spawn(ping(Arc::clone(&conn), timeout / 3));
+    let resync = match conn.plan {
+        Plan::Source { .. } => {
+            let (shared, conn) = (Arc::clone(&shared), Arc::clone(&conn));
+            Some(tokio::spawn(async move {
+                let slot = &shared.peers[index];
+                if let Err(e) = shared.resync(slot, &conn).await {
+                    shared.peer_lost(slot, &conn, &format!("resync: {e}"));
+                }
+            }))
+        }
+        Plan::Target => {
+            shared.begin_resync_target();
+            None
+        }
+        Plan::Idle => None,
+    };
+    let why = read_loop(&shared, &conn, &mut reader, buf, stop).await;
+    shared.peer_lost(slot, &conn, &why);
+    pinger.abort();
+    if let Some(resync) = resync {
+        resync.abort();
+    }
+    let _ = writer_task.await;
+}
+
+/// Sends queued messages, as many per `write` as are waiting.
+async fn write_frames(
+    mut writer: tokio::net::tcp::OwnedWriteHalf,
+    mut outgoing: mpsc::UnboundedReceiver<Message>,
+    conn: Arc<PeerConn>,
+) {
+    let mut closed = conn.closed.subscribe();
+    let mut out = BytesMut::with_capacity(256 * 1024);
+    loop {
+        let message = tokio::select! {
+            _ = closed.wait_for(|c| *c) => break,
+            message = outgoing.recv() => message,
+        };
+        let Some(message) = message else { break };
+        message.encode(&mut out);
+        while out.len() < 4 << 20 {
+            match outgoing.try_recv() {
+                Ok(message) => message.encode(&mut out),
+                Err(_) => break,
+            }
+        }
+        if let Err(e) = writer.write_all(&out).await {
+            debug!(peer = %conn.peer, "send failed: {e}");
+            conn.close();
+            break;
+        }
+        out.clear();
+    }
+    let _ = writer.shutdown().await;
+}
+
+async fn ping(conn: Arc<PeerConn>, every: Duration) {
+    let mut token = 0;
+    loop {
+        tokio::time::sleep(every).await;
+        token += 1;
+        conn.send(Message::Ping { token });
+    }
+}
+
+/// Reads frames until the connection ends; returns why it ended.
+async fn read_loop(
+    shared: &Arc<Shared>,
+    conn: &Arc<PeerConn>,
+    reader: &mut OwnedReadHalf,
+    mut buf: BytesMut,
+    mut stop: watch::Receiver<bool>,
+) -> String {
+    let timeout = shared.resource.peer_timeout;
+    let local = Arc::clone(&shared.local);
+    let mut applying: FuturesUnordered<BackendFuture<'_, Message>> = FuturesUnordered::new();
+    let mut closed = conn.closed.subscribe();
+    loop {
+        loop {
+            let message = match Message::decode(&mut buf) {
+                Ok(Some(message)) => message,
+                Ok(None) => break,
+                Err(e) => return format!("bad frame: {e}"),
+            };
+            if let Err(e) = handle(shared, conn, &local, &mut applying, message).await {
+                return e;
+            }
+        }
+        tokio::select! {
+            _ = stop.wait_for(|s| *s) => return "this node is stopping".into(),
+            _ = closed.wait_for(|c| *c) => return "connection closed".into(),
+            Some(reply) = applying.next(), if !applying.is_empty() => {
+                if let Ok(reply) = reply {
+                    conn.send(reply);
+                }
+            }
+            read = tokio::time::timeout(timeout, reader.read_buf(&mut buf)) => match read {
+                Err(_) => return format!("silent for {timeout:?}"),
+                Ok(Ok(0)) => return "peer closed the connection".into(),
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => return e.to_string(),
+            },
+        }
+    }
+}
+
+fn errno_of(result: &Result<(), crate::backend::BackendError>) -> u32 {
+    match result {
+        Ok(()) => 0,
+        Err(e) => e.errno.code(),
+    }
+}
+
+fn in_range(size: u64, offset: u64, length: u64) -> bool {
+    offset.checked_add(length).is_some_and(|end| end <= size)
+}
+
+/// Handles one message; an error ends the connection.
+async fn handle<'a>(
+    shared: &Arc<Shared>,
+    conn: &Arc<PeerConn>,
+    local: &'a Arc<dyn crate::backend::Backend>,
+    applying: &mut FuturesUnordered<BackendFuture<'a, Message>>,
+    message: Message,
+) -> Result<(), String> {
+    let size = local.size();
+    let must_be_target = |what: &str| {
+        if conn.plan == Plan::Target && !shared.is_primary() {
+            Ok(())
+        } else {
+            Err(format!(
+                "{} sent {what} but is not this node's primary",
+                conn.peer
+            ))
+        }
+    };
+    match message {
+        Message::Write {
+            seq,
+            offset,
+            flags,
+            data,
+        } => {
+            must_be_target("a write")?;
+            if shared.resource.protocol == Protocol::B {
+                conn.send(Message::Received { seq });
+            }
+            let fits = in_range(size, offset, data.len() as u64);
+            applying.push(Box::pin(async move {
+                let result = if fits {
+                    local
+                        .write(offset, data, flags & write_flags::FUA != 0)
+                        .await
+                } else {
+                    Err(out_of_range("write", offset, 0))
+                };
+                Ok(Message::Ack {
+                    seq,
+                    status: errno_of(&result),
+                })
+            }));
+        }
+        Message::Trim {
+            seq,
+            offset,
+            length,
+            flags,
+        } => {
+            must_be_target("a trim")?;
+            if shared.resource.protocol == Protocol::B {
+                conn.send(Message::Received { seq });
+            }
+            let fits = in_range(size, offset, length);
+            applying.push(Box::pin(async move {
+                let result = if fits {
+                    local
+                        .trim(offset, length, flags & write_flags::FUA != 0)
+                        .await
+                } else {
+                    Err(out_of_range("trim", offset, length))
+                };
+                Ok(Message::Ack {
+                    seq,
+                    status: errno_of(&result),
+                })
+            }));
+        }
+        Message::Zero {
+            seq,
+            offset,
+            length,
+            flags,
+        } => {
+            must_be_target("a zero")?;
+            if shared.resource.protocol == Protocol::B {
+                conn.send(Message::Received { seq });
+            }
+            let fits = in_range(size, offset, length);
+            let zero = ZeroFlags {
+                may_trim: flags & write_flags::MAY_TRIM != 0,
+                fast: false,
+                fua: flags & write_flags::FUA != 0,
+            };
+            applying.push(Box::pin(async move {
+                let result = if fits {
+                    local.write_zeroes(offset, length, zero).await
+                } else {
+                    Err(out_of_range("zero", offset, length))
+                };
+                Ok(Message::Ack {
+                    seq,
+                    status: errno_of(&result),
+                })
+            }));
+        }
+        Message::Barrier { epoch } => {
+            must_be_target("a barrier")?;
+            // Every write received before the barrier completes, then all are durable.
+            while let Some(reply) = applying.next().await {
+                if let Ok(reply) = reply {
+                    conn.send(reply);
+                }
+            }
+            let result = local.flush().await;
+            conn.send(Message::BarrierAck {
+                epoch,
+                status: errno_of(&result),
+            });
+        }
+        Message::ReadRequest { id, offset, length } => {
+            let fits = in_range(size, offset, u64::from(length));
+            applying.push(Box::pin(async move {
+                let result = if fits {
+                    local.read(offset, length as usize).await
+                } else {
+                    Err(out_of_range("read", offset, u64::from(length)))
+                };
+                Ok(match result {
+                    Ok(read) => Message::ReadReply {
+                        id,
+                        status: 0,
+                        data: read.data,
+                    },
+                    Err(e) => Message::ReadReply {
+                        id,
+                        status: e.errno.code(),
+                        data: Bytes::new(),
+                    },
+                })
+            }));
+        }
+        Message::ResyncChecksum {
+            id,
+            offset,
+            length,
+            checksum,
+        } => {
+            must_be_target("a resync checksum")?;
+            let fits = in_range(size, offset, u64::from(length));
+            applying.push(Box::pin(async move {
+                let status = if !fits {
+                    ResyncStatus::Failed(crate::wire::NbdError::Inval.code())
+                } else {
+                    match local.read(offset, length as usize).await {
+                        Ok(read) if crc32c::crc32c(&read.data) == checksum => ResyncStatus::InSync,
+                        // An unreadable block is rewritten from the source.
+                        _ => ResyncStatus::NeedData,
+                    }
+                };
+                Ok(Message::ResyncReply { id, status })
+            }));
+        }
+        Message::ResyncData { id, offset, data } => {
+            must_be_target("resync data")?;
+            let fits = in_range(size, offset, data.len() as u64);
+            applying.push(Box::pin(async move {
+                // Durable before the source clears its bit.
+                let result = if fits {
+                    local.write(offset, data, true).await
+                } else {
+                    Err(out_of_range("resync", offset, 0))
+                };
+                let status = match result {
+                    Ok(()) => ResyncStatus::InSync,
+                    Err(e) => ResyncStatus::Failed(e.errno.code()),
+                };
+                Ok(Message::ResyncReply { id, status })
+            }));
+        }
+        Message::ChecksumRequest { id, offset, length } => {
+            let fits = in_range(size, offset, u64::from(length));
+            applying.push(Box::pin(async move {
+                let result = if fits {
+                    local.read(offset, length as usize).await
+                } else {
+                    Err(out_of_range("checksum", offset, u64::from(length)))
+                };
+                Ok(match result {
+                    Ok(read) => Message::ChecksumReply {
+                        id,
+                        status: 0,
+                        checksum: crc32c::crc32c(&read.data),
+                    },
+                    Err(e) => Message::ChecksumReply {
+                        id,
+                        status: e.errno.code(),
+                        checksum: 0,
+                    },
+                })
+            }));
+        }
+        Message::State {
+            role,
+            disk,
+            generations,
+        } => {
+            if role == Role::Primary && disk == DiskState::UpToDate && conn.plan == Plan::Target {
+                // Everything sent before this was applied in order on this connection
+                // only if the applies finished: wait for them, then adopt.
+                while let Some(reply) = applying.next().await {
+                    if let Ok(reply) = reply {
+                        conn.send(reply);
+                    }
+                }
+                if let Err(e) = local.flush().await {
+                    return Err(format!("flush before adopting the primary's state: {e}"));
+                }
+                shared.adopt_state_from_primary(generations);
+            }
+        }
+        Message::Ping { token } => conn.send(Message::Pong { token }),
+        Message::Pong { .. } => {}
+        Message::Ack { seq, .. } => conn.deliver(WaitKey::Seq(seq), message),
+        Message::Received { seq } => conn.deliver(WaitKey::Received(seq), message),
+        Message::BarrierAck { epoch, .. } => conn.deliver(WaitKey::Epoch(epoch), message),
+        Message::ReadReply { id, .. }
+        | Message::ResyncReply { id, .. }
+        | Message::ChecksumReply { id, .. } => conn.deliver(WaitKey::Request(id), message),
+        Message::Refuse { reason } => return Err(format!("refused by the peer: {reason}")),
+        Message::Hello(_) => return Err("a second hello".into()),
+    }
+    Ok(())
+}
+
+fn out_of_range(op: &'static str, offset: u64, length: u64) -> crate::backend::BackendError {
+    crate::backend::BackendError::plain(op, offset, length, crate::wire::NbdError::Inval)
+}

@@ -1,0 +1,411 @@
+//! Replication across real `netblk serve --node` processes: two nodes on loopback (and
+//! across two network namespaces), written through the primary with qemu-io, then
+//! stopped and their backing files compared byte for byte.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{have, read_all, run, Server};
+
+/// A free TCP port on loopback (bound and released; good enough for tests).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct NodeSpec {
+    name: &'static str,
+    replication: String,
+    listen: String,
+}
+
+/// Writes a resource file for `nodes` under `dir`, with `<name>.img` and `<name>.meta`.
+fn resource_file(dir: &Path, resource: &str, nodes: &[NodeSpec]) -> PathBuf {
+    let mut text = format!(
+        "[resource]\nname = \"{resource}\"\npeer_timeout = \"1s\"\nsize = \"16M\"\nresync_rate = \"1G\"\n"
+    );
+    for node in nodes {
+        text.push_str(&format!(
+            "\n[[node]]\nname = \"{name}\"\nreplication = \"{replication}\"\nlisten = \"{listen}\"\nbacking = \"{dir}/{name}.img\"\nmetadata = \"{dir}/{name}.meta\"\n",
+            name = node.name,
+            replication = node.replication,
+            listen = node.listen,
+            dir = dir.display(),
+        ));
+    }
+    let path = dir.join(format!("{resource}.toml"));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn loopback_pair(dir: &Path) -> PathBuf {
+    let nodes = [
+        NodeSpec {
+            name: "alpha",
+            replication: format!("127.0.0.1:{}", free_port()),
+            listen: format!("127.0.0.1:{}", free_port()),
+        },
+        NodeSpec {
+            name: "beta",
+            replication: format!("127.0.0.1:{}", free_port()),
+            listen: format!("127.0.0.1:{}", free_port()),
+        },
+    ];
+    resource_file(dir, "r0", &nodes)
+}
+
+fn start_node(config: &Path, node: &str, primary: bool) -> Server {
+    let mut args = vec![
+        "--config".to_string(),
+        config.display().to_string(),
+        "--node".to_string(),
+        node.to_string(),
+    ];
+    if primary {
+        args.push("--primary".into());
+    }
+    Server::start_expecting(&args, 1)
+}
+
+/// Waits until `log()` contains `needle` `count` times.
+fn wait_for_log(what: &str, log: impl Fn() -> String, needle: &str, count: usize) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while log().matches(needle).count() < count {
+        assert!(
+            Instant::now() < deadline,
+            "{what}: no {needle:?} (x{count}) in:\n{}",
+            log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn qemu_io(uri: &str, commands: &[&str]) -> std::process::Output {
+    let mut cmd = Command::new("qemu-io");
+    cmd.args(["-f", "raw"]);
+    for c in commands {
+        cmd.args(["-c", c]);
+    }
+    cmd.arg(uri);
+    cmd.output().expect("run qemu-io")
+}
+
+fn assert_same_files(a: &Path, b: &Path) {
+    let (a_data, b_data) = (read_all(a), read_all(b));
+    assert_eq!(a_data.len(), b_data.len());
+    if let Some(at) = a_data.iter().zip(&b_data).position(|(x, y)| x != y) {
+        panic!(
+            "{} and {} differ first at byte {at}",
+            a.display(),
+            b.display()
+        );
+    }
+}
+
+#[test]
+fn writes_through_the_primary_reach_the_secondary_byte_for_byte() {
+    if !have("qemu-io") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair(dir.path());
+    let primary = start_node(&config, "alpha", true);
+    let secondary = start_node(&config, "beta", false);
+    wait_for_log(
+        "secondary",
+        || secondary.stderr(),
+        "in sync with the primary",
+        1,
+    );
+    let out = qemu_io(
+        &primary.uri(),
+        &[
+            "write -P 0xab 0 1M",
+            "write -P 0xcd 5M 64k",
+            "write -z 8M 1M",
+            "discard 12M 1M",
+            "write -P 0x11 4095k 3k",
+            "flush",
+        ],
+    );
+    assert!(out.status.success(), "{out:?}");
+    // The secondary exports read-only and refuses writes.
+    let refused = qemu_io(&secondary.uri(), &["write -P 0xee 0 4k"]);
+    assert!(!refused.status.success(), "a secondary took a client write");
+    let read = run(Command::new("qemu-io").args([
+        "-f",
+        "raw",
+        "-r",
+        "-c",
+        "read -P 0xcd 5M 64k",
+        &secondary.uri(),
+    ]));
+    assert!(String::from_utf8_lossy(&read.stdout).contains("read 65536/65536"));
+    assert!(primary.stop().success());
+    assert!(secondary.stop().success());
+    assert_same_files(&dir.path().join("alpha.img"), &dir.path().join("beta.img"));
+}
+
+#[test]
+fn a_killed_secondary_is_resynced_from_the_bitmap_only() {
+    if !have("qemu-io") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair(dir.path());
+    let primary = start_node(&config, "alpha", true);
+    let secondary = start_node(&config, "beta", false);
+    wait_for_log(
+        "secondary",
+        || secondary.stderr(),
+        "in sync with the primary",
+        1,
+    );
+    let out = qemu_io(&primary.uri(), &["write -P 0x21 0 2M", "flush"]);
+    assert!(out.status.success(), "{out:?}");
+    secondary.signal("KILL");
+    drop(secondary);
+    // Degraded writes: the primary goes on and records what beta misses.
+    let start = Instant::now();
+    let out = qemu_io(
+        &primary.uri(),
+        &["write -P 0x42 1M 64k", "write -P 0x43 10M 128k", "flush"],
+    );
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "a lost peer stalled the client for {:?}",
+        start.elapsed()
+    );
+    wait_for_log("primary", || primary.stderr(), "going on degraded", 1);
+    let secondary = start_node(&config, "beta", false);
+    wait_for_log(
+        "secondary",
+        || secondary.stderr(),
+        "in sync with the primary",
+        1,
+    );
+    wait_for_log("primary", || primary.stderr(), "resync done", 2);
+    let log = primary.stderr();
+    let last = log
+        .lines()
+        .filter(|l| l.contains("resync done"))
+        .last()
+        .unwrap();
+    let sent: u64 = last
+        .split("resync done: ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no byte count in {last:?}"));
+    eprintln!("resync after the kill: {last}");
+    assert!(
+        sent > 0 && sent < 16 << 20,
+        "resync sent {sent} bytes: expected only the changed regions"
+    );
+    assert!(primary.stop().success());
+    assert!(secondary.stop().success());
+    assert_same_files(&dir.path().join("alpha.img"), &dir.path().join("beta.img"));
+}
+
+#[test]
+fn a_peer_of_another_resource_is_refused_with_a_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair(dir.path());
+    let text = std::fs::read_to_string(&config).unwrap();
+    let other_dir = dir.path().join("other");
+    std::fs::create_dir(&other_dir).unwrap();
+    let other = other_dir.join("r1.toml");
+    std::fs::write(
+        &other,
+        text.replace("name = \"r0\"", "name = \"r1\"").replace(
+            &dir.path().display().to_string(),
+            &other_dir.display().to_string(),
+        ),
+    )
+    .unwrap();
+    let primary = start_node(&config, "alpha", true);
+    let stranger = start_node(&other, "beta", false);
+    wait_for_log(
+        "primary",
+        || primary.stderr() + &stranger.stderr(),
+        "belongs to resource",
+        1,
+    );
+    assert!(!primary.stderr().contains("peer connected"));
+}
+
+// ---- two network namespaces ----
+
+/// Two namespaces joined by a veth pair, removed on drop.
+struct Namespaces {
+    names: [String; 2],
+}
+
+impl Namespaces {
+    fn create(tag: &str) -> Option<Namespaces> {
+        let id = std::process::id() % 100_000;
+        let names = [format!("nb{tag}{id}a"), format!("nb{tag}{id}b")];
+        let ip = |args: &[&str]| {
+            Command::new("ip")
+                .args(args)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        if !ip(&["netns", "add", &names[0]]) {
+            eprintln!("skipping: `ip netns add` is not available here (needs root and iproute2)");
+            return None;
+        }
+        let ns = Namespaces { names };
+        let [a, b] = &ns.names;
+        let (va, vb) = (format!("v{id}a"), format!("v{id}b"));
+        let steps: Vec<Vec<&str>> = vec![
+            vec!["netns", "add", b],
+            vec!["link", "add", &va, "type", "veth", "peer", "name", &vb],
+            vec!["link", "set", &va, "netns", a],
+            vec!["link", "set", &vb, "netns", b],
+            vec!["-n", a, "addr", "add", "10.231.0.1/24", "dev", &va],
+            vec!["-n", b, "addr", "add", "10.231.0.2/24", "dev", &vb],
+            vec!["-n", a, "link", "set", &va, "up"],
+            vec!["-n", b, "link", "set", &vb, "up"],
+            vec!["-n", a, "link", "set", "lo", "up"],
+            vec!["-n", b, "link", "set", "lo", "up"],
+        ];
+        for step in steps {
+            assert!(ip(&step), "ip {step:?} failed");
+        }
+        Some(ns)
+    }
+}
+
+impl Drop for Namespaces {
+    fn drop(&mut self) {
+        for name in &self.names {
+            let _ = Command::new("ip").args(["netns", "del", name]).status();
+        }
+    }
+}
+
+/// A `netblk serve` inside a namespace, killed on drop.
+struct NsNode {
+    child: Option<Child>,
+    log: PathBuf,
+}
+
+impl NsNode {
+    fn start(ns: &str, config: &Path, node: &str, primary: bool, log: PathBuf) -> NsNode {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", ns, env!("CARGO_BIN_EXE_netblk"), "serve"])
+            .arg("--config")
+            .arg(config)
+            .args(["--node", node]);
+        if primary {
+            cmd.arg("--primary");
+        }
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("start netblk in a namespace");
+        NsNode {
+            child: Some(child),
+            log,
+        }
+    }
+
+    fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn stop(mut self) {
+        let mut child = self.child.take().unwrap();
+        let _ = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status();
+        let status = child.wait().unwrap();
+        assert!(
+            status.success(),
+            "node exited with {status}:\n{}",
+            self.stderr()
+        );
+    }
+}
+
+impl Drop for NsNode {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+#[test]
+fn replication_across_two_network_namespaces() {
+    if !have("qemu-io") {
+        return;
+    }
+    let Some(ns) = Namespaces::create("r") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let nodes = [
+        NodeSpec {
+            name: "alpha",
+            replication: "10.231.0.1:7788".into(),
+            listen: "10.231.0.1:10809".into(),
+        },
+        NodeSpec {
+            name: "beta",
+            replication: "10.231.0.2:7788".into(),
+            listen: "10.231.0.2:10809".into(),
+        },
+    ];
+    let config = resource_file(dir.path(), "r0", &nodes);
+    let primary = NsNode::start(
+        &ns.names[0],
+        &config,
+        "alpha",
+        true,
+        dir.path().join("a.log"),
+    );
+    let secondary = NsNode::start(
+        &ns.names[1],
+        &config,
+        "beta",
+        false,
+        dir.path().join("b.log"),
+    );
+    wait_for_log(
+        "secondary",
+        || secondary.stderr(),
+        "in sync with the primary",
+        1,
+    );
+    let out = Command::new("ip")
+        .args(["netns", "exec", &ns.names[0], "qemu-io", "-f", "raw"])
+        .args([
+            "-c",
+            "write -P 0x5a 0 1M",
+            "-c",
+            "write -P 0xa5 7M 256k",
+            "-c",
+            "flush",
+        ])
+        .arg("nbd://10.231.0.1:10809")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}\n{}", primary.stderr());
+    primary.stop();
+    secondary.stop();
+    assert_same_files(&dir.path().join("alpha.img"), &dir.path().join("beta.img"));
+}

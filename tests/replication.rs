@@ -193,11 +193,7 @@ fn a_killed_secondary_is_resynced_from_the_bitmap_only() {
     );
     wait_for_log("primary", || primary.stderr(), "resync done", 2);
     let log = primary.stderr();
-    let last = log
-        .lines()
-        .filter(|l| l.contains("resync done"))
-        .last()
-        .unwrap();
+    let last = log.lines().rfind(|l| l.contains("resync done")).unwrap();
     let sent: u64 = last
         .split("resync done: ")
         .nth(1)

@@ -36,6 +36,49 @@ enum Commands {
     /// fio --ioengine=nbd --uri=nbd://127.0.0.1:10809 ...
     #[command(verbatim_doc_comment)]
     Serve(ServeArgs),
+    /// Show a replicated node's role, peers, out-of-sync amount and resync progress.
+    /// Example: netblk status --config r0.toml --node alpha --json
+    Status {
+        #[command(flatten)]
+        target: ControlTarget,
+        /// Print the status as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Make a replicated node primary. Refused while a peer is primary, and for a node
+    /// whose data may be older than a peer's unless --force (which starts a new data
+    /// generation: a peer that wrote too is then in split brain).
+    Promote {
+        #[command(flatten)]
+        target: ControlTarget,
+        #[arg(long)]
+        force: bool,
+    },
+    /// Make a replicated primary secondary (after a replicated flush).
+    Demote {
+        #[command(flatten)]
+        target: ControlTarget,
+    },
+    /// Compare the checksum of every region with every peer; regions that differ are
+    /// marked out of sync and resynced.
+    Verify {
+        #[command(flatten)]
+        target: ControlTarget,
+    },
+}
+
+/// Which node a control command talks to.
+#[derive(clap::Args)]
+struct ControlTarget {
+    /// The resource file. Example: --config r0.toml
+    #[arg(long, value_name = "FILE", required_unless_present = "control")]
+    config: Option<PathBuf>,
+    /// The node, as named in the resource file. Example: --node alpha
+    #[arg(long, value_name = "NAME", required_unless_present = "control")]
+    node: Option<String>,
+    /// The node's control socket, instead of --config and --node.
+    #[arg(long, value_name = "PATH", conflicts_with_all = ["config", "node"])]
+    control: Option<PathBuf>,
 }
 
 #[derive(Parser)]
@@ -107,6 +150,13 @@ fn main() -> std::process::ExitCode {
         .init();
     let result = match cli.command {
         Commands::Serve(args) => run_serve(args),
+        Commands::Status { target, json } => run_control_command(&target, "status", json),
+        Commands::Promote { target, force } => {
+            let request = if force { "promote --force" } else { "promote" };
+            run_control_command(&target, request, false)
+        }
+        Commands::Demote { target } => run_control_command(&target, "demote", false),
+        Commands::Verify { target } => run_control_command(&target, "verify", false),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -241,6 +291,36 @@ fn run_replicated(args: &ServeArgs, path: &std::path::Path) -> anyhow::Result<()
         drop(stdout);
         node.serve(shutdown).await
     })
+}
+
+/// Sends one request to a node's control socket and prints the answer.
+fn run_control_command(target: &ControlTarget, request: &str, json: bool) -> anyhow::Result<()> {
+    use netblk::replication::{config::ResourceConfig, control};
+    let path = match (&target.control, &target.config, &target.node) {
+        (Some(path), _, _) => path.clone(),
+        (None, Some(config), Some(node)) => ResourceConfig::load(config)?
+            .node(node)
+            .map_err(anyhow::Error::msg)?
+            .control
+            .clone(),
+        _ => bail!("give --config FILE --node NAME, or --control PATH"),
+    };
+    let reply = control::request(&path, request)?;
+    let mut stdout = std::io::stdout().lock();
+    if json {
+        writeln!(stdout, "{}", serde_json::to_string_pretty(&reply)?)?;
+    } else {
+        if !reply.message.is_empty() {
+            writeln!(stdout, "{}", reply.message)?;
+        }
+        if let Some(status) = &reply.status {
+            write!(stdout, "{}", control::render(status))?;
+        }
+    }
+    if !reply.ok {
+        bail!("{request}: {}", reply.message);
+    }
+    Ok(())
 }
 
 /// A future that completes on SIGINT or SIGTERM; the handlers are installed at once.

@@ -347,7 +347,8 @@ impl Shared {
         }
     }
 
-    async fn flush_all(&self) -> Result<(), BackendError> {
+    /// A replicated flush: a barrier on every replicating peer and a local flush.
+    pub async fn flush_all(&self) -> Result<(), BackendError> {
         let epoch = self.next_epoch.fetch_add(1, Ordering::Relaxed);
         let waits: Vec<_> = if self.is_primary() {
             self.replicating_conns()

@@ -31,6 +31,7 @@
 //!   "in sync" or "need data", so equal regions cost 20 bytes, not 64 KiB.
 
 pub mod config;
+pub mod control;
 pub mod generation;
 pub mod layer;
 pub mod meta;

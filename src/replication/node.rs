@@ -1,15 +1,17 @@
 //! One node of a replicated resource: opens its backing and metadata, binds the NBD and
 //! replication listeners, and runs both until shutdown.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
 use super::config::ResourceConfig;
+use super::control::{bind_control, run_control};
 use super::layer::{ReplicatedBackend, Shared};
 use super::meta::Metadata;
 use super::peer::run_replication;
@@ -20,6 +22,8 @@ pub struct Node {
     pub shared: Arc<Shared>,
     replication: TcpListener,
     clients: Listener,
+    control: UnixListener,
+    control_path: PathBuf,
     handshake_timeout: Duration,
 }
 
@@ -59,10 +63,14 @@ impl Node {
             .await
             .with_context(|| format!("binding replication address {}", me.replication))?;
         let clients = me.listen.bind().await?;
+        let control = bind_control(&me.control)
+            .with_context(|| format!("binding control socket {}", me.control.display()))?;
         Ok(Node {
             shared,
             replication,
             clients,
+            control,
+            control_path: me.control,
             handshake_timeout,
         })
     }
@@ -87,7 +95,13 @@ impl Node {
         let replication = tokio::spawn(run_replication(
             Arc::clone(&self.shared),
             self.replication,
-            stop_rx,
+            stop_rx.clone(),
+        ));
+        let control = tokio::spawn(run_control(
+            Arc::clone(&self.shared),
+            self.control,
+            self.control_path,
+            stop_rx.clone(),
         ));
         let export = Arc::new(Export {
             name: String::new(),
@@ -108,6 +122,7 @@ impl Node {
         self.shared.stop();
         let _ = stop_tx.send(true);
         let _ = replication.await;
+        let _ = control.await;
         tokio::time::sleep(Duration::from_millis(50)).await;
         self.shared.close();
         info!("metadata closed cleanly");

@@ -27,8 +27,12 @@ struct NodeSpec {
 
 /// Writes a resource file for `nodes` under `dir`, with `<name>.img` and `<name>.meta`.
 fn resource_file(dir: &Path, resource: &str, nodes: &[NodeSpec]) -> PathBuf {
+    resource_file_sized(dir, resource, nodes, "16M")
+}
+
+fn resource_file_sized(dir: &Path, resource: &str, nodes: &[NodeSpec], size: &str) -> PathBuf {
     let mut text = format!(
-        "[resource]\nname = \"{resource}\"\npeer_timeout = \"1s\"\nsize = \"16M\"\nresync_rate = \"1G\"\n"
+        "[resource]\nname = \"{resource}\"\npeer_timeout = \"1s\"\nsize = \"{size}\"\nresync_rate = \"1G\"\n"
     );
     for node in nodes {
         text.push_str(&format!(
@@ -45,6 +49,10 @@ fn resource_file(dir: &Path, resource: &str, nodes: &[NodeSpec]) -> PathBuf {
 }
 
 fn loopback_pair(dir: &Path) -> PathBuf {
+    loopback_pair_sized(dir, "16M")
+}
+
+fn loopback_pair_sized(dir: &Path, size: &str) -> PathBuf {
     let nodes = [
         NodeSpec {
             name: "alpha",
@@ -57,7 +65,7 @@ fn loopback_pair(dir: &Path) -> PathBuf {
             listen: format!("127.0.0.1:{}", free_port()),
         },
     ];
-    resource_file(dir, "r0", &nodes)
+    resource_file_sized(dir, "r0", &nodes, size)
 }
 
 fn start_node(config: &Path, node: &str, primary: bool) -> Server {
@@ -237,6 +245,131 @@ fn a_peer_of_another_resource_is_refused_with_a_reason() {
     assert!(!primary.stderr().contains("peer connected"));
 }
 
+/// `netblk status --json` for a node, parsed.
+fn status_json(config: &Path, node: &str) -> serde_json::Value {
+    let out = run(Command::new(env!("CARGO_BIN_EXE_netblk"))
+        .args(["status", "--json", "--config"])
+        .arg(config)
+        .args(["--node", node]));
+    serde_json::from_slice(&out.stdout).expect("status --json prints JSON")
+}
+
+#[test]
+fn status_reports_roles_peers_and_the_bitmap_and_promote_is_checked() {
+    if !have("qemu-io") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair(dir.path());
+    let primary = start_node(&config, "alpha", true);
+    let secondary = start_node(&config, "beta", false);
+    wait_for_log(
+        "secondary",
+        || secondary.stderr(),
+        "in sync with the primary",
+        1,
+    );
+    let status = status_json(&config, "alpha");
+    let status = &status["status"];
+    assert_eq!(status["role"], "primary");
+    assert_eq!(status["disk"], "UpToDate");
+    assert_eq!(status["out_of_sync_bytes"], 0);
+    assert_eq!(status["peers"][0]["name"], "beta");
+    assert_eq!(status["peers"][0]["link"], "source");
+    assert_eq!(status["peers"][0]["replicating"], true);
+    let beta = status_json(&config, "beta");
+    assert_eq!(beta["status"]["role"], "secondary");
+    assert_eq!(beta["status"]["generation"], status["generation"]);
+    // Two primaries are refused.
+    let promote = Command::new(env!("CARGO_BIN_EXE_netblk"))
+        .args(["promote", "--config"])
+        .arg(&config)
+        .args(["--node", "beta"])
+        .output()
+        .unwrap();
+    assert!(!promote.status.success());
+    assert!(String::from_utf8_lossy(&promote.stderr).contains("alpha is primary"));
+    // Verify finds equal data.
+    let verify = run(Command::new(env!("CARGO_BIN_EXE_netblk"))
+        .args(["verify", "--config"])
+        .arg(&config)
+        .args(["--node", "alpha"]));
+    assert!(String::from_utf8_lossy(&verify.stdout).contains("0 regions differed"));
+    // Without the secondary, the bitmap records what it misses.
+    secondary.signal("KILL");
+    drop(secondary);
+    wait_for_log("primary", || primary.stderr(), "peer lost", 1);
+    let out = qemu_io(&primary.uri(), &["write -P 1 0 4k"]);
+    assert!(out.status.success(), "{out:?}");
+    let status = status_json(&config, "alpha");
+    assert_eq!(status["status"]["peers"][0]["connected"], false);
+    assert_ne!(status["status"]["out_of_sync_bytes"], 0);
+    assert_ne!(status["status"]["bitmap_generation"], "0x0000000000000000");
+}
+
+#[test]
+fn a_crashed_primary_resyncs_exactly_its_logged_extents() {
+    if !have("qemu-io") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair_sized(dir.path(), "64M");
+    let primary = start_node(&config, "alpha", true);
+    let secondary = start_node(&config, "beta", false);
+    wait_for_log(
+        "secondary",
+        || secondary.stderr(),
+        "in sync with the primary",
+        1,
+    );
+    // Writes in extents 0 and 2 (4 MiB each).
+    let out = qemu_io(&primary.uri(), &["write -P 7 0 64k", "write -P 8 9M 64k"]);
+    assert!(out.status.success(), "{out:?}");
+    primary.signal("KILL");
+    drop(primary);
+    // Back without --primary: the role is in its metadata.
+    let primary = start_node(&config, "alpha", false);
+    wait_for_log("primary", || primary.stderr(), "resync done", 1);
+    let log = primary.stderr();
+    assert!(log.contains("2 hot extents marked out of sync"), "{log}");
+    assert!(log.contains("resync: 8388608 bytes out of sync"), "{log}");
+    assert!(primary.stop().success());
+    assert!(secondary.stop().success());
+    assert_same_files(&dir.path().join("alpha.img"), &dir.path().join("beta.img"));
+}
+
+#[test]
+fn nodes_that_both_wrote_alone_are_a_split_brain_never_merged() {
+    if !have("qemu-io") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair(dir.path());
+    let alpha = start_node(&config, "alpha", true);
+    let beta = start_node(&config, "beta", false);
+    wait_for_log("beta", || beta.stderr(), "in sync with the primary", 1);
+    assert!(alpha.stop().success());
+    assert!(beta.stop().success());
+    // Each writes while the other is down.
+    let alpha = start_node(&config, "alpha", false);
+    let out = qemu_io(&alpha.uri(), &["write -P 1 0 64k"]);
+    assert!(out.status.success(), "{out:?}");
+    assert!(alpha.stop().success());
+    let beta = start_node(&config, "beta", true);
+    let out = qemu_io(&beta.uri(), &["write -P 2 0 64k"]);
+    assert!(out.status.success(), "{out:?}");
+    // Together again: refused on both sides, with the reason.
+    let alpha = start_node(&config, "alpha", false);
+    wait_for_log("both", || alpha.stderr() + &beta.stderr(), "split brain", 2);
+    let status = status_json(&config, "alpha");
+    assert_eq!(status["status"]["peers"][0]["connected"], false);
+    assert_ne!(
+        read_all(&dir.path().join("alpha.img")),
+        read_all(&dir.path().join("beta.img")),
+        "neither side's writes were overwritten"
+    );
+}
+
 // ---- two network namespaces ----
 
 /// Two namespaces joined by a veth pair, removed on drop.
@@ -401,6 +534,34 @@ fn replication_across_two_network_namespaces() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{out:?}\n{}", primary.stderr());
+    // Cut the link: the client waits at most about the peer timeout, then the primary
+    // goes on degraded; when the link returns, the peer is resynced.
+    let link = |state: &str| {
+        let veth = format!("v{}a", std::process::id() % 100_000);
+        run(Command::new("ip").args(["-n", &ns.names[0], "link", "set", &veth, state]));
+    };
+    link("down");
+    let start = Instant::now();
+    let out = Command::new("ip")
+        .args(["netns", "exec", &ns.names[0], "qemu-io", "-f", "raw"])
+        .args(["-c", "write -P 0x77 3M 64k", "-c", "flush"])
+        .arg("nbd://10.231.0.1:10809")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "a cut link stalled the client for {:?} (peer timeout 1s)",
+        start.elapsed()
+    );
+    wait_for_log("primary", || primary.stderr(), "going on degraded", 1);
+    link("up");
+    wait_for_log(
+        "secondary",
+        || secondary.stderr(),
+        "in sync with the primary",
+        2,
+    );
     primary.stop();
     secondary.stop();
     assert_same_files(&dir.path().join("alpha.img"), &dir.path().join("beta.img"));

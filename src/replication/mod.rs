@@ -38,3 +38,6 @@ pub mod meta;
 pub mod node;
 pub mod peer;
 pub mod wire;
+
+#[cfg(test)]
+mod tests;

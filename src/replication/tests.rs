@@ -1,0 +1,219 @@
+//! In-process tests of two replicating nodes over loopback TCP, with memory backends, so
+//! that protocols A/B/C and read healing can be checked without an NBD client.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use super::config::ResourceConfig;
+use super::layer::{ReplicatedBackend, Shared};
+use super::meta::Metadata;
+use super::peer::run_replication;
+use crate::backend::memory::MemoryBackend;
+use crate::backend::{
+    Backend, BackendError, BackendFuture, Capabilities, Extent, ReadData, ZeroFlags,
+};
+use crate::wire::NbdError;
+
+const SIZE: u64 = 8 << 20;
+
+/// A memory backend whose reads of the first 64 KiB fail with EIO until that range is
+/// written again, like a bad sector that the drive remaps on write.
+struct BadSector {
+    inner: MemoryBackend,
+    bad: AtomicBool,
+}
+
+impl Backend for BadSector {
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+    fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
+        if offset < 65536 && self.bad.load(Ordering::Acquire) {
+            return Box::pin(async move {
+                Err(BackendError::plain(
+                    "read",
+                    offset,
+                    length as u64,
+                    NbdError::Io,
+                ))
+            });
+        }
+        self.inner.read(offset, length)
+    }
+    fn write(&self, offset: u64, data: Bytes, fua: bool) -> BackendFuture<'_, ()> {
+        if offset == 0 && data.len() >= 65536 {
+            self.bad.store(false, Ordering::Release);
+        }
+        self.inner.write(offset, data, fua)
+    }
+    fn flush(&self) -> BackendFuture<'_, ()> {
+        self.inner.flush()
+    }
+    fn trim(&self, offset: u64, length: u64, fua: bool) -> BackendFuture<'_, ()> {
+        self.inner.trim(offset, length, fua)
+    }
+    fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> BackendFuture<'_, ()> {
+        self.inner.write_zeroes(offset, length, flags)
+    }
+    fn cache(&self, offset: u64, length: u64) -> BackendFuture<'_, ()> {
+        self.inner.cache(offset, length)
+    }
+    fn extents(&self, offset: u64, length: u64) -> BackendFuture<'_, Vec<Extent>> {
+        self.inner.extents(offset, length)
+    }
+}
+
+struct Pair {
+    primary: Arc<Shared>,
+    secondary: Arc<Shared>,
+    stop: watch::Sender<bool>,
+    _dir: tempfile::TempDir,
+}
+
+async fn pair(protocol: &str, primary_local: Arc<dyn Backend>) -> Pair {
+    let dir = tempfile::tempdir().unwrap();
+    let listeners = [
+        TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        TcpListener::bind("127.0.0.1:0").await.unwrap(),
+    ];
+    let mut text =
+        format!("[resource]\nname = \"t\"\nprotocol = \"{protocol}\"\npeer_timeout = \"2s\"\n");
+    for (name, listener) in ["alpha", "beta"].iter().zip(&listeners) {
+        text.push_str(&format!(
+            "[[node]]\nname = \"{name}\"\nreplication = \"{}\"\nlisten = \"unix:{dir}/{name}.sock\"\nbacking = \"memory:8M\"\nmetadata = \"{dir}/{name}.meta\"\n",
+            listener.local_addr().unwrap(),
+            dir = dir.path().display(),
+        ));
+    }
+    let resource = ResourceConfig::parse(&text, "test").unwrap();
+    let open = |name: &str, local: Arc<dyn Backend>| {
+        let path = dir.path().join(format!("{name}.meta"));
+        let meta = Metadata::open_or_create(&path, name, "t", SIZE).unwrap();
+        Shared::new(local, resource.clone(), name, meta).unwrap()
+    };
+    let primary = open("alpha", primary_local);
+    let secondary = open("beta", Arc::new(MemoryBackend::new(SIZE, false)));
+    primary.promote(false).unwrap();
+    let (stop, stop_rx) = watch::channel(false);
+    let [a, b] = listeners;
+    tokio::spawn(run_replication(Arc::clone(&primary), a, stop_rx.clone()));
+    tokio::spawn(run_replication(Arc::clone(&secondary), b, stop_rx));
+    // Connected, and the first (full, checksum-only) resync done.
+    tokio::time::timeout(Duration::from_secs(20), async {
+        while secondary.status().disk != "UpToDate" {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the pair connects and syncs");
+    Pair {
+        primary,
+        secondary,
+        stop,
+        _dir: dir,
+    }
+}
+
+fn pattern(seed: u8, len: usize) -> Bytes {
+    Bytes::from(
+        (0..len)
+            .map(|i| (i as u8).wrapping_mul(31) ^ seed)
+            .collect::<Vec<_>>(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_protocol_delivers_writes_trims_and_zeroes_by_the_next_flush() {
+    for protocol in ["A", "B", "C"] {
+        let pair = pair(protocol, Arc::new(MemoryBackend::new(SIZE, false))).await;
+        let backend = ReplicatedBackend {
+            shared: Arc::clone(&pair.primary),
+        };
+        backend.write(0, pattern(1, 1 << 20), false).await.unwrap();
+        backend.write(4096, pattern(2, 512), true).await.unwrap();
+        backend
+            .write(3 << 20, pattern(3, 200_000), false)
+            .await
+            .unwrap();
+        backend
+            .write_zeroes(
+                100_000,
+                50_000,
+                ZeroFlags {
+                    may_trim: true,
+                    ..ZeroFlags::default()
+                },
+            )
+            .await
+            .unwrap();
+        backend.trim(6 << 20, 1 << 20, false).await.unwrap();
+        backend.flush().await.unwrap();
+        let mine = pair
+            .primary
+            .local
+            .read(0, SIZE as usize)
+            .await
+            .unwrap()
+            .data;
+        let theirs = pair
+            .secondary
+            .local
+            .read(0, SIZE as usize)
+            .await
+            .unwrap()
+            .data;
+        assert!(mine == theirs, "protocol {protocol}: replicas differ");
+        assert_eq!(
+            pair.primary.status().out_of_sync_bytes,
+            0,
+            "protocol {protocol}"
+        );
+        let _ = pair.stop.send(true);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_read_error_is_served_by_the_peer_and_rewritten_locally() {
+    let bad = Arc::new(BadSector {
+        inner: MemoryBackend::new(SIZE, false),
+        bad: AtomicBool::new(false),
+    });
+    let pair = pair("C", Arc::clone(&bad) as Arc<dyn Backend>).await;
+    let backend = ReplicatedBackend {
+        shared: Arc::clone(&pair.primary),
+    };
+    let data = pattern(9, 65536);
+    backend.write(0, data.clone(), false).await.unwrap();
+    bad.bad.store(true, Ordering::Release);
+    assert!(bad.read(0, 4096).await.is_err(), "the fault is in place");
+    let read = backend.read(0, 65536).await.unwrap();
+    assert_eq!(read.data, data, "served from the peer");
+    let local = bad.read(0, 65536).await.expect("rewritten locally");
+    assert_eq!(local.data, data);
+    let _ = pair.stop.send(true);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secondary_refuses_client_writes_and_exports_read_only() {
+    let pair = pair("C", Arc::new(MemoryBackend::new(SIZE, false))).await;
+    let secondary = ReplicatedBackend {
+        shared: Arc::clone(&pair.secondary),
+    };
+    assert!(secondary.capabilities().read_only);
+    let refused = secondary
+        .write(0, pattern(1, 512), false)
+        .await
+        .unwrap_err();
+    assert_eq!(refused.errno, NbdError::Perm);
+    let refused = secondary.trim(0, 4096, false).await.unwrap_err();
+    assert_eq!(refused.errno, NbdError::Perm);
+    let _ = pair.stop.send(true);
+}

@@ -130,12 +130,14 @@ impl Shared {
         }
         let new_generation = random_generation().map_err(|e| format!("random: {e}"))?;
         meta.update(|sb| {
-            if fresh || force {
-                if fresh {
-                    sb.generations.current = new_generation;
-                } else {
-                    sb.generations.start_new(new_generation);
-                }
+            if fresh {
+                // The first real generation: peers that are still just-created get a
+                // full (checksum) resync from this node.
+                sb.generations.current = new_generation;
+            } else if force {
+                // Forced data may differ from a peer's: a new generation, so the peers
+                // see either an older ancestor (resync) or split brain, never "equal".
+                sb.generations.start_new(new_generation);
             }
             sb.primary = true;
             sb.disk = DiskState::UpToDate;
@@ -518,7 +520,7 @@ impl Shared {
         (meta.superblock().disk, meta.superblock().generations)
     }
 
-    /// Writes received from the primary while it was resyncing, or a resync completion.
+    /// The primary finished resyncing this node: take its generations, up to date.
     pub fn adopt_state_from_primary(&self, generations: super::generation::Generations) {
         let mut meta = self.meta();
         let result = meta.update(|sb| {

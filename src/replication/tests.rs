@@ -74,19 +74,27 @@ impl Backend for BadSector {
 struct Pair {
     primary: Arc<Shared>,
     secondary: Arc<Shared>,
+    /// Every secondary (with three nodes, `secondary` is the first of them).
+    secondaries: Vec<Arc<Shared>>,
     stop: watch::Sender<bool>,
     _dir: tempfile::TempDir,
 }
 
 async fn pair(protocol: &str, primary_local: Arc<dyn Backend>) -> Pair {
+    cluster(protocol, 2, primary_local).await
+}
+
+/// `nodes` nodes (2 or 3); the first is primary with `primary_local` as its backend.
+async fn cluster(protocol: &str, nodes: usize, primary_local: Arc<dyn Backend>) -> Pair {
     let dir = tempfile::tempdir().unwrap();
-    let listeners = [
-        TcpListener::bind("127.0.0.1:0").await.unwrap(),
-        TcpListener::bind("127.0.0.1:0").await.unwrap(),
-    ];
+    let mut listeners = Vec::new();
+    for _ in 0..nodes {
+        listeners.push(TcpListener::bind("127.0.0.1:0").await.unwrap());
+    }
+    let names = &["alpha", "beta", "gamma"][..nodes];
     let mut text =
         format!("[resource]\nname = \"t\"\nprotocol = \"{protocol}\"\npeer_timeout = \"2s\"\n");
-    for (name, listener) in ["alpha", "beta"].iter().zip(&listeners) {
+    for (name, listener) in names.iter().zip(&listeners) {
         text.push_str(&format!(
             "[[node]]\nname = \"{name}\"\nreplication = \"{}\"\nlisten = \"unix:{dir}/{name}.sock\"\nbacking = \"memory:8M\"\nmetadata = \"{dir}/{name}.meta\"\n",
             listener.local_addr().unwrap(),
@@ -100,23 +108,32 @@ async fn pair(protocol: &str, primary_local: Arc<dyn Backend>) -> Pair {
         Shared::new(local, resource.clone(), name, meta).unwrap()
     };
     let primary = open("alpha", primary_local);
-    let secondary = open("beta", Arc::new(MemoryBackend::new(SIZE, false)));
+    let secondaries: Vec<Arc<Shared>> = names[1..]
+        .iter()
+        .map(|name| open(name, Arc::new(MemoryBackend::new(SIZE, false))))
+        .collect();
     primary.promote(false).unwrap();
     let (stop, stop_rx) = watch::channel(false);
-    let [a, b] = listeners;
-    tokio::spawn(run_replication(Arc::clone(&primary), a, stop_rx.clone()));
-    tokio::spawn(run_replication(Arc::clone(&secondary), b, stop_rx));
+    let all = std::iter::once(&primary).chain(&secondaries);
+    for (shared, listener) in all.zip(listeners) {
+        tokio::spawn(run_replication(
+            Arc::clone(shared),
+            listener,
+            stop_rx.clone(),
+        ));
+    }
     // Connected, and the first (full, checksum-only) resync done.
     tokio::time::timeout(Duration::from_secs(20), async {
-        while secondary.status().disk != "UpToDate" {
+        while secondaries.iter().any(|s| s.status().disk != "UpToDate") {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     })
     .await
-    .expect("the pair connects and syncs");
+    .expect("the nodes connect and sync");
     Pair {
         primary,
-        secondary,
+        secondary: Arc::clone(&secondaries[0]),
+        secondaries,
         stop,
         _dir: dir,
     }
@@ -216,4 +233,56 @@ async fn a_secondary_refuses_client_writes_and_exports_read_only() {
     let refused = secondary.trim(0, 4096, false).await.unwrap_err();
     assert_eq!(refused.errno, NbdError::Perm);
     let _ = pair.stop.send(true);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_nodes_all_hold_every_write_and_secondaries_link_idle() {
+    let trio = cluster("C", 3, Arc::new(MemoryBackend::new(SIZE, false))).await;
+    let backend = ReplicatedBackend {
+        shared: Arc::clone(&trio.primary),
+    };
+    for i in 0..32u64 {
+        let data = pattern(i as u8, 4096 * (1 + i as usize % 5));
+        backend.write(i * 200_000, data, i % 7 == 0).await.unwrap();
+    }
+    backend.flush().await.unwrap();
+    // The secondaries' own link comes up on its own schedule.
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while trio
+            .secondaries
+            .iter()
+            .any(|s| s.status().peers.iter().any(|p| !p.connected))
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("every pair of nodes connects");
+    let mine = trio
+        .primary
+        .local
+        .read(0, SIZE as usize)
+        .await
+        .unwrap()
+        .data;
+    for secondary in &trio.secondaries {
+        let theirs = secondary.local.read(0, SIZE as usize).await.unwrap().data;
+        assert!(
+            mine == theirs,
+            "{} differs from the primary",
+            secondary.node
+        );
+        let links: Vec<String> = secondary
+            .status()
+            .peers
+            .iter()
+            .map(|p| p.link.clone())
+            .collect();
+        let mut links = links;
+        links.sort();
+        assert_eq!(links, ["idle", "target"], "{}", secondary.node);
+    }
+    let status = trio.primary.status();
+    assert!(status.peers.iter().all(|p| p.replicating), "{status:?}");
+    let _ = trio.stop.send(true);
 }

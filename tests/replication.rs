@@ -327,8 +327,8 @@ fn a_crashed_primary_resyncs_exactly_its_logged_extents() {
     assert!(out.status.success(), "{out:?}");
     primary.signal("KILL");
     drop(primary);
-    // Back without --primary: the role is in its metadata.
-    let primary = start_node(&config, "alpha", false);
+    // Every start is as secondary; the operator promotes again.
+    let primary = start_node(&config, "alpha", true);
     wait_for_log("primary", || primary.stderr(), "resync done", 1);
     let log = primary.stderr();
     assert!(log.contains("2 hot extents marked out of sync"), "{log}");
@@ -351,7 +351,7 @@ fn nodes_that_both_wrote_alone_are_a_split_brain_never_merged() {
     assert!(alpha.stop().success());
     assert!(beta.stop().success());
     // Each writes while the other is down.
-    let alpha = start_node(&config, "alpha", false);
+    let alpha = start_node(&config, "alpha", true);
     let out = qemu_io(&alpha.uri(), &["write -P 1 0 64k"]);
     assert!(out.status.success(), "{out:?}");
     assert!(alpha.stop().success());
@@ -359,7 +359,7 @@ fn nodes_that_both_wrote_alone_are_a_split_brain_never_merged() {
     let out = qemu_io(&beta.uri(), &["write -P 2 0 64k"]);
     assert!(out.status.success(), "{out:?}");
     // Together again: refused on both sides, with the reason.
-    let alpha = start_node(&config, "alpha", false);
+    let alpha = start_node(&config, "alpha", true);
     wait_for_log("both", || alpha.stderr() + &beta.stderr(), "split brain", 2);
     let status = status_json(&config, "alpha");
     assert_eq!(status["status"]["peers"][0]["connected"], false);
@@ -368,6 +368,47 @@ fn nodes_that_both_wrote_alone_are_a_split_brain_never_merged() {
         read_all(&dir.path().join("beta.img")),
         "neither side's writes were overwritten"
     );
+}
+
+fn netblk(args: &[&str], config: &Path) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_netblk"))
+        .args(&args[..1])
+        .arg("--config")
+        .arg(config)
+        .args(&args[1..])
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn promotion_is_refused_to_the_node_with_older_data() {
+    if !have("qemu-io") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair(dir.path());
+    let alpha = start_node(&config, "alpha", true);
+    let beta = start_node(&config, "beta", false);
+    wait_for_log("beta", || beta.stderr(), "in sync with the primary", 1);
+    beta.signal("KILL");
+    drop(beta);
+    let out = qemu_io(&alpha.uri(), &["write -P 3 2M 64k", "flush"]);
+    assert!(out.status.success(), "{out:?}");
+    let demote = netblk(&["demote", "--node", "alpha"], &config);
+    assert!(demote.status.success(), "{demote:?}");
+    // Both secondary now; beta missed a write.
+    let beta = start_node(&config, "beta", false);
+    wait_for_log("alpha", || alpha.stderr(), "plan=Idle", 1);
+    let refused = netblk(&["promote", "--node", "beta"], &config);
+    assert!(!refused.status.success());
+    let why = String::from_utf8_lossy(&refused.stderr);
+    assert!(why.contains("alpha has newer data"), "{why}");
+    let promote = netblk(&["promote", "--node", "alpha"], &config);
+    assert!(promote.status.success(), "{promote:?}");
+    wait_for_log("beta", || beta.stderr(), "in sync with the primary", 1);
+    assert!(alpha.stop().success());
+    assert!(beta.stop().success());
+    assert_same_files(&dir.path().join("alpha.img"), &dir.path().join("beta.img"));
 }
 
 // ---- two network namespaces ----

@@ -12,7 +12,7 @@ use tokio::sync::{oneshot, Notify};
 use tracing::{info, warn};
 
 use super::config::{NodeConfig, Protocol, ResourceConfig};
-use super::generation::{random_generation, JUST_CREATED};
+use super::generation::{random_generation, SyncDecision, JUST_CREATED};
 use super::meta::{MetaError, Metadata, EXTENT_SIZE, REGION_SIZE};
 use super::peer::{PeerConn, Plan, WaitKey};
 use super::wire::{write_flags, DiskState, Message, Role};
@@ -62,7 +62,14 @@ impl Shared {
         mut meta: Metadata,
     ) -> Result<Arc<Shared>, MetaError> {
         meta.set_clean(false)?;
-        let primary = meta.superblock().primary;
+        // Every start is as secondary, as with DRBD: after a crash the other node may have
+        // been promoted meanwhile, and two primaries must never both serve clients. The
+        // operator or orchestrator promotes (`--primary`, `netblk promote`).
+        let was_primary = meta.superblock().primary;
+        if was_primary {
+            meta.update(|sb| sb.primary = false)?;
+            info!("this node was primary when it stopped; it starts as secondary");
+        }
         let peers = resource
             .peers_of(node)
             .map(|config| PeerSlot {
@@ -78,7 +85,7 @@ impl Shared {
             resource,
             meta: Mutex::new(meta),
             peers,
-            primary: AtomicBool::new(primary),
+            primary: AtomicBool::new(false),
             stopping: AtomicBool::new(false),
             next_seq: AtomicU64::new(1),
             next_epoch: AtomicU64::new(1),
@@ -110,13 +117,30 @@ impl Shared {
         self.next_request.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Makes this node primary. A node whose data is not known to be up to date is
-    /// refused unless `force`; a just-created node gets its first real generation.
+    /// Makes this node primary. Refused unless `force` when its data is not known to be
+    /// up to date, or when a connected peer's generations show newer data; a
+    /// just-created node gets its first real generation.
     pub fn promote(&self, force: bool) -> Result<(), String> {
         let mut meta = self.meta();
         let sb = meta.superblock().clone();
         if self.is_primary() {
             return Ok(());
+        }
+        if !force {
+            for slot in &self.peers {
+                let conn = slot.conn.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                let Some(conn) = conn else { continue };
+                let theirs = conn.peer_generations();
+                if matches!(
+                    sb.generations.compare(&theirs),
+                    SyncDecision::TargetFromBitmap | SyncDecision::TargetFull
+                ) {
+                    return Err(format!(
+                        "peer {} has newer data (generation {:#x}); promote it instead, or use --force",
+                        conn.peer, theirs.current
+                    ));
+                }
+            }
         }
         let fresh = sb.generations.current == JUST_CREATED;
         if !force && !fresh && sb.disk != DiskState::UpToDate {

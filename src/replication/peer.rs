@@ -17,7 +17,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{debug, info, warn};
 
 use super::config::Protocol;
-use super::generation::SyncDecision;
+use super::generation::{Generations, SyncDecision};
 use super::layer::Shared;
 use super::wire::{write_flags, DiskState, Hello, Message, ResyncStatus, Role, PROTOCOL_VERSION};
 use crate::backend::{BackendFuture, ZeroFlags};
@@ -50,6 +50,8 @@ pub enum Plan {
 pub struct PeerConn {
     pub peer: String,
     pub plan: Plan,
+    /// The peer's generations, from its hello and later state messages.
+    peer_generations: Mutex<Generations>,
     /// Replicated writes go to this peer.
     pub replicating: AtomicBool,
     outgoing: mpsc::UnboundedSender<Message>,
@@ -60,16 +62,25 @@ pub struct PeerConn {
 }
 
 impl PeerConn {
-    fn new(peer: &str, plan: Plan, outgoing: mpsc::UnboundedSender<Message>) -> Arc<PeerConn> {
+    fn new(hello: &Hello, plan: Plan, outgoing: mpsc::UnboundedSender<Message>) -> Arc<PeerConn> {
         Arc::new(PeerConn {
-            peer: peer.to_string(),
+            peer: hello.node.clone(),
             plan,
+            peer_generations: Mutex::new(hello.generations),
             replicating: AtomicBool::new(false),
             outgoing,
             waiters: Mutex::new(HashMap::new()),
             in_flight: Mutex::new(HashMap::new()),
             closed: watch::channel(false).0,
         })
+    }
+
+    /// The peer's generations as last reported.
+    pub fn peer_generations(&self) -> Generations {
+        *self
+            .peer_generations
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
     }
 
     /// Queues a message (dropped if the connection is gone).
@@ -367,7 +378,7 @@ async fn run_connection(
     };
     let checked = check_hello(&shared, &hello, expected).and_then(|(index, plan)| {
         let (tx, rx) = mpsc::unbounded_channel();
-        let conn = PeerConn::new(&hello.node, plan, tx);
+        let conn = PeerConn::new(&hello, plan, tx);
         shared.install(&shared.peers[index], Arc::clone(&conn), plan)?;
         Ok((index, conn, rx))
     });
@@ -701,6 +712,10 @@ async fn handle<'a>(
             disk,
             generations,
         } => {
+            *conn
+                .peer_generations
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()) = generations;
             if role == Role::Primary && disk == DiskState::UpToDate && conn.plan == Plan::Target {
                 // Everything sent before this was applied in order on this connection
                 // only if the applies finished: wait for them, then adopt.

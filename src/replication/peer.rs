@@ -613,17 +613,24 @@ async fn handle<'a>(
         }
         Message::Barrier { epoch } => {
             must_be_target("a barrier")?;
-            // Every write received before the barrier completes, then all are durable.
-            while let Some(reply) = applying.next().await {
-                if let Ok(reply) = reply {
-                    conn.send(reply);
+            // The barrier covers every write received before it: those finish, then one
+            // flush makes them durable. It runs as one more future, so later writes,
+            // pings and acks go on meanwhile (a slow flush does not look like a dead
+            // peer), and a later barrier waits for this one.
+            let mut before = std::mem::take(applying);
+            let conn = Arc::clone(conn);
+            applying.push(Box::pin(async move {
+                while let Some(reply) = before.next().await {
+                    if let Ok(reply) = reply {
+                        conn.send(reply);
+                    }
                 }
-            }
-            let result = local.flush().await;
-            conn.send(Message::BarrierAck {
-                epoch,
-                status: errno_of(&result),
-            });
+                let result = local.flush().await;
+                Ok(Message::BarrierAck {
+                    epoch,
+                    status: errno_of(&result),
+                })
+            }));
         }
         Message::ReadRequest { id, offset, length } => {
             let fits = in_range(size, offset, u64::from(length));

@@ -370,6 +370,47 @@ fn nodes_that_both_wrote_alone_are_a_split_brain_never_merged() {
     );
 }
 
+#[test]
+fn peers_with_an_unknown_name_or_another_size_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (alpha_repl, beta_repl) = (free_port(), free_port());
+    let write = |file: &str, second: &str, second_size: &str| {
+        let text = format!(
+            "[resource]\nname = \"r0\"\n\
+             [[node]]\nname = \"alpha\"\nreplication = \"127.0.0.1:{alpha_repl}\"\n\
+             listen = \"127.0.0.1:{}\"\nbacking = \"memory:16M\"\nmetadata = \"{dir}/alpha.meta\"\n\
+             [[node]]\nname = \"{second}\"\nreplication = \"127.0.0.1:{beta_repl}\"\n\
+             listen = \"127.0.0.1:{}\"\nbacking = \"memory:{second_size}\"\nmetadata = \"{dir}/{file}.meta\"\n",
+            free_port(),
+            free_port(),
+            dir = dir.path().display(),
+        );
+        let path = dir.path().join(format!("{file}.toml"));
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let sized = write("sized", "beta", "32M");
+    let renamed = write("renamed", "delta", "16M");
+    let alpha = start_node(&sized, "alpha", true);
+    let beta = start_node(&sized, "beta", false);
+    wait_for_log(
+        "beta",
+        || alpha.stderr() + &beta.stderr(),
+        "has a device of 33554432 bytes, this node 16777216",
+        1,
+    );
+    drop(beta);
+    let delta = start_node(&renamed, "delta", false);
+    wait_for_log(
+        "alpha",
+        || alpha.stderr(),
+        "node \"delta\" is not a peer of \"alpha\" in the resource file",
+        1,
+    );
+    assert!(!alpha.stderr().contains("peer connected"));
+    drop(delta);
+}
+
 fn netblk(args: &[&str], config: &Path) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_netblk"))
         .args(&args[..1])

@@ -16,9 +16,11 @@
 //!   secondary may apply everything it receives concurrently: a write the client saw
 //!   acknowledged was already applied everywhere before any later write was sent.
 //! - **Epochs.** A client FLUSH becomes a barrier with an epoch number: a secondary
-//!   waits for every write received before it, makes them durable, then acks the epoch.
+//!   waits for every write received before it, makes them durable, then acks the epoch;
+//!   the client's FLUSH reply waits for the local flush and every such ack.
 //! - **Degraded.** A peer that does not ack within `peer_timeout` (or whose connection
-//!   drops) is disconnected; the write succeeds locally and its regions are set in the
+//!   drops) is disconnected; the write succeeds locally, its regions (and every extent in
+//!   the activity log, which may sit unflushed in the peer's cache) are set in the
 //!   out-of-sync bitmap, and the primary starts a new data generation.
 //! - **Generations** ([`generation`]): DRBD's UUID scheme, compared at every connect to
 //!   pick the resync direction or detect split brain.
@@ -28,7 +30,13 @@
 //!   a crash at most 256 MiB plus the bitmap needs resync, never the whole device and
 //!   never less than what may differ.
 //! - **Resync**: the source sends a CRC32C per out-of-sync region; the target answers
-//!   "in sync" or "need data", so equal regions cost 20 bytes, not 64 KiB.
+//!   "in sync" or "need data", so equal regions cost a few dozen bytes, not 64 KiB.
+//! - **Roles** ([`control`]): every node starts as secondary; `--primary` or
+//!   `netblk promote` makes it primary (refused while a peer is primary, or, unless
+//!   forced, when this node's data may be older). Promote and demote reconnect the peers
+//!   so the hello checks run again with the new roles.
+//!
+//! [`node`] ties it together: backing + metadata + NBD, replication and control listeners.
 
 pub mod config;
 pub mod control;

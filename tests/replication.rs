@@ -339,6 +339,42 @@ fn a_crashed_primary_resyncs_exactly_its_logged_extents() {
 }
 
 #[test]
+fn after_failover_the_old_primary_is_resynced_including_its_own_hot_extents() {
+    if !have("qemu-io") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair_sized(dir.path(), "64M");
+    let alpha = start_node(&config, "alpha", true);
+    let beta = start_node(&config, "beta", false);
+    wait_for_log("beta", || beta.stderr(), "in sync with the primary", 1);
+    let out = qemu_io(&alpha.uri(), &["write -P 7 0 64k", "write -P 8 9M 64k"]);
+    assert!(out.status.success(), "{out:?}");
+    alpha.signal("KILL");
+    drop(alpha);
+    // A write that reached alpha's disk but never beta (in flight at the crash).
+    let image = dir.path().join("alpha.img");
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&image)
+        .unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&file, b"lost in flight", (9 << 20) + 100).unwrap();
+    drop(file);
+    let promote = netblk(&["promote", "--node", "beta"], &config);
+    assert!(promote.status.success(), "{promote:?}");
+    let out = qemu_io(&beta.uri(), &["write -P 9 40M 64k"]);
+    assert!(out.status.success(), "{out:?}");
+    let alpha = start_node(&config, "alpha", false);
+    wait_for_log("alpha", || alpha.stderr(), "in sync with the primary", 1);
+    // Beta's 64 KiB plus alpha's two logged extents (8 MiB).
+    let log = beta.stderr();
+    assert!(log.contains("resync: 8454144 bytes out of sync"), "{log}");
+    assert!(alpha.stop().success());
+    assert!(beta.stop().success());
+    assert_same_files(&image, &dir.path().join("beta.img"));
+}
+
+#[test]
 fn nodes_that_both_wrote_alone_are_a_split_brain_never_merged() {
     if !have("qemu-io") {
         return;

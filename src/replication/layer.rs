@@ -437,6 +437,8 @@ impl Shared {
     /// Bits are cleared only when no other peer is missing (one bitmap serves all peers).
     pub async fn resync(&self, slot: &PeerSlot, conn: &Arc<PeerConn>) -> Result<(), String> {
         let size = self.local.size();
+        // The union of both bitmaps: the target's arrives first.
+        conn.wait_peer_bitmap(self.resource.peer_timeout).await?;
         let total = self.meta().out_of_sync_regions();
         slot.resync_total.store(total, Ordering::Relaxed);
         slot.resync_done.store(0, Ordering::Relaxed);
@@ -547,9 +549,13 @@ impl Shared {
     /// The primary finished resyncing this node: take its generations, up to date.
     pub fn adopt_state_from_primary(&self, generations: super::generation::Generations) {
         let mut meta = self.meta();
-        let result = meta.update(|sb| {
-            sb.generations.adopt(&generations);
-            sb.disk = DiskState::UpToDate;
+        // Equal to the source now: nothing here differs any more.
+        meta.mark_all_in_sync();
+        let result = meta.flush_bitmap().and_then(|()| {
+            meta.update(|sb| {
+                sb.generations.adopt(&generations);
+                sb.disk = DiskState::UpToDate;
+            })
         });
         match result {
             Ok(()) => info!("in sync with the primary: up to date"),

@@ -421,6 +421,30 @@ impl Metadata {
         }
     }
 
+    /// Marks every region in sync (this node now equals its resync source).
+    pub fn mark_all_in_sync(&mut self) {
+        for region in 0..self.regions {
+            self.set_bit(region, false);
+        }
+    }
+
+    /// Runs of out-of-sync bytes as (offset, length), in order.
+    pub fn out_of_sync_runs(&self) -> Vec<(u64, u64)> {
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        let mut region = 0;
+        while let Some(first) = self.next_out_of_sync(region) {
+            let mut end = first + 1;
+            while end < self.regions && self.is_out_of_sync(end) {
+                end += 1;
+            }
+            let offset = first * REGION_SIZE;
+            let length = (end * REGION_SIZE).min(self.superblock.size) - offset;
+            runs.push((offset, length));
+            region = end;
+        }
+        runs
+    }
+
     /// Marks one region in sync.
     pub fn mark_in_sync(&mut self, region: u64) {
         self.set_bit(region, false);
@@ -842,5 +866,11 @@ mod tests {
         assert_eq!(metadata.out_of_sync_regions(), 3);
         metadata.mark_out_of_sync(size, 100);
         assert_eq!(metadata.out_of_sync_regions(), 3);
+        assert_eq!(
+            metadata.out_of_sync_runs(),
+            [(0, REGION_SIZE), (2 * REGION_SIZE, REGION_SIZE + 512)]
+        );
+        metadata.mark_all_in_sync();
+        assert_eq!(metadata.out_of_sync_runs(), []);
     }
 }

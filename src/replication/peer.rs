@@ -59,6 +59,8 @@ pub struct PeerConn {
     /// Writes sent and not yet acknowledged: sequence number → (offset, length).
     in_flight: Mutex<HashMap<u64, (u64, u64)>>,
     closed: watch::Sender<bool>,
+    /// The peer (a resync target) has sent its whole bitmap.
+    peer_bitmap_done: watch::Sender<bool>,
 }
 
 impl PeerConn {
@@ -72,6 +74,7 @@ impl PeerConn {
             waiters: Mutex::new(HashMap::new()),
             in_flight: Mutex::new(HashMap::new()),
             closed: watch::channel(false).0,
+            peer_bitmap_done: watch::channel(false).0,
         })
     }
 
@@ -81,6 +84,22 @@ impl PeerConn {
             .peer_generations
             .lock()
             .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits until the peer has sent its whole bitmap, up to `timeout`.
+    pub async fn wait_peer_bitmap(&self, timeout: Duration) -> Result<(), String> {
+        let mut done = self.peer_bitmap_done.subscribe();
+        let arrived = tokio::time::timeout(timeout, done.wait_for(|d| *d))
+            .await
+            .is_ok_and(|r| r.is_ok());
+        if arrived {
+            Ok(())
+        } else {
+            Err(format!(
+                "{} did not send its bitmap within {timeout:?}",
+                self.peer
+            ))
+        }
     }
 
     /// Queues a message (dropped if the connection is gone).
@@ -408,6 +427,13 @@ async fn run_connection(
         }
         Plan::Target => {
             shared.begin_resync_target();
+            // What this node itself may have different (its logged extents after a crash
+            // as primary, for one) must be resynced too.
+            let runs = shared.meta().out_of_sync_runs();
+            for (offset, length) in runs {
+                conn.send(Message::OutOfSync { offset, length });
+            }
+            conn.send(Message::OutOfSyncDone);
             None
         }
         Plan::Idle => None,
@@ -736,6 +762,18 @@ async fn handle<'a>(
                 }
                 shared.adopt_state_from_primary(generations);
             }
+        }
+        Message::OutOfSync { offset, length } => {
+            if !matches!(conn.plan, Plan::Source { .. }) {
+                return Err(format!(
+                    "{} sent its bitmap but is not resynced from here",
+                    conn.peer
+                ));
+            }
+            shared.meta().mark_out_of_sync(offset, length);
+        }
+        Message::OutOfSyncDone => {
+            conn.peer_bitmap_done.send_replace(true);
         }
         Message::Ping { token } => conn.send(Message::Pong { token }),
         Message::Pong { .. } => {}

@@ -162,6 +162,15 @@ pub enum Message {
         status: u32,
         checksum: u32,
     },
+    /// Resync target → source after the hello: this range may differ (the target's own
+    /// bitmap, e.g. its logged extents after it crashed as primary), so the source
+    /// resyncs the union of both bitmaps.
+    OutOfSync {
+        offset: u64,
+        length: u64,
+    },
+    /// Every [`Message::OutOfSync`] has been sent.
+    OutOfSyncDone,
     /// The sender's role, disk state or generations changed.
     State {
         role: Role,
@@ -221,6 +230,8 @@ mod kind {
     pub const CHECKSUM_REQUEST: u8 = 17;
     pub const CHECKSUM_REPLY: u8 = 18;
     pub const STATE: u8 = 19;
+    pub const OUT_OF_SYNC: u8 = 20;
+    pub const OUT_OF_SYNC_DONE: u8 = 21;
 }
 
 impl Role {
@@ -275,6 +286,8 @@ impl Message {
             Message::ResyncReply { .. } => "resync-reply",
             Message::ChecksumRequest { .. } => "checksum-request",
             Message::ChecksumReply { .. } => "checksum-reply",
+            Message::OutOfSync { .. } => "out-of-sync",
+            Message::OutOfSyncDone => "out-of-sync-done",
             Message::State { .. } => "state",
         }
     }
@@ -412,6 +425,12 @@ impl Message {
                 out.put_u32(*status);
                 out.put_u32(*checksum);
             }
+            Message::OutOfSync { offset, length } => {
+                out.put_u8(kind::OUT_OF_SYNC);
+                out.put_u64(*offset);
+                out.put_u64(*length);
+            }
+            Message::OutOfSyncDone => out.put_u8(kind::OUT_OF_SYNC_DONE),
             Message::State {
                 role,
                 disk,
@@ -609,6 +628,17 @@ impl Message {
                     status: r.u32("status")?,
                     checksum: r.u32("checksum")?,
                 }
+            }
+            kind::OUT_OF_SYNC => {
+                r.kind = "out-of-sync";
+                Message::OutOfSync {
+                    offset: r.u64("offset")?,
+                    length: r.u64("length")?,
+                }
+            }
+            kind::OUT_OF_SYNC_DONE => {
+                r.kind = "out-of-sync-done";
+                Message::OutOfSyncDone
             }
             kind::STATE => {
                 r.kind = "state";
@@ -840,6 +870,11 @@ pub fn example_messages() -> Vec<Message> {
             status: 0,
             checksum: 42,
         },
+        Message::OutOfSync {
+            offset: 4 << 20,
+            length: 8 << 20,
+        },
+        Message::OutOfSyncDone,
         Message::State {
             role: Role::Secondary,
             disk: DiskState::Inconsistent,
@@ -1060,6 +1095,9 @@ mod tests {
                     checksum,
                 }
             }),
+            (any::<u64>(), any::<u64>())
+                .prop_map(|(offset, length)| Message::OutOfSync { offset, length }),
+            Just(Message::OutOfSyncDone),
             (role(), disk(), generations()).prop_map(|(role, disk, generations)| {
                 Message::State {
                     role,

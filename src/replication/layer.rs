@@ -331,6 +331,8 @@ impl Shared {
         message: impl Fn(u64) -> Message,
     ) -> Result<(), BackendError> {
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        // One deadline for every peer: two lost peers cost one timeout, not two.
+        let deadline = tokio::time::Instant::now() + self.resource.peer_timeout;
         let conns = self.targets_for_write(offset, length).map_err(|e| {
             warn!("metadata: {e}");
             BackendError::plain(op, offset, length, NbdError::Io)
@@ -350,7 +352,7 @@ impl Shared {
         let local_result = local().await;
         if self.resource.protocol != Protocol::A {
             for (conn, wait) in waits {
-                self.await_peer(&conn, wait, op).await;
+                self.await_peer(&conn, wait, op, deadline).await;
             }
         }
         local_result
@@ -358,8 +360,14 @@ impl Shared {
 
     /// Waits for a peer's answer; a peer that fails, closes or stays silent past the
     /// timeout is dropped (and what it misses goes into the bitmap).
-    async fn await_peer(&self, conn: &Arc<PeerConn>, wait: oneshot::Receiver<Message>, op: &str) {
-        let outcome = tokio::time::timeout(self.resource.peer_timeout, wait).await;
+    async fn await_peer(
+        &self,
+        conn: &Arc<PeerConn>,
+        wait: oneshot::Receiver<Message>,
+        op: &str,
+        deadline: tokio::time::Instant,
+    ) {
+        let outcome = tokio::time::timeout_at(deadline, wait).await;
         let why = match outcome {
             Ok(Ok(Message::Ack { status: 0, .. }))
             | Ok(Ok(Message::Received { .. }))
@@ -388,8 +396,9 @@ impl Shared {
             Vec::new()
         };
         let local = self.local.flush().await;
+        let deadline = tokio::time::Instant::now() + self.resource.peer_timeout;
         for (conn, wait) in waits {
-            self.await_peer(&conn, wait, "flush").await;
+            self.await_peer(&conn, wait, "flush", deadline).await;
         }
         local
     }

@@ -340,13 +340,22 @@ fn check_hello(
     Ok((index, plan))
 }
 
-/// Reads until one whole frame is in `buf`, within `timeout`.
-async fn read_message(
+/// A hello is small: a stranger may not make this node buffer a 32 MiB frame.
+const MAX_HELLO_FRAME: usize = 4096;
+
+/// Reads the peer's first frame (its hello) within `timeout`.
+async fn read_hello(
     reader: &mut OwnedReadHalf,
     buf: &mut BytesMut,
     timeout: Duration,
 ) -> Result<Message, String> {
     loop {
+        if let Some(prefix) = buf.get(..super::wire::LENGTH_PREFIX) {
+            let length = u32::from_be_bytes(prefix.try_into().expect("4 bytes")) as usize;
+            if length > MAX_HELLO_FRAME {
+                return Err(format!("first frame of {length} bytes is not a hello"));
+            }
+        }
         match Message::decode(buf) {
             Ok(Some(message)) => return Ok(message),
             Ok(None) => {}
@@ -380,7 +389,7 @@ async fn run_connection(
         return;
     }
     let mut buf = BytesMut::with_capacity(256 * 1024);
-    let hello = match read_message(&mut reader, &mut buf, timeout).await {
+    let hello = match read_hello(&mut reader, &mut buf, timeout).await {
         Ok(Message::Hello(hello)) => hello,
         Ok(Message::Refuse { reason }) => {
             warn!("peer at {addr} refused this node: {reason}");

@@ -42,6 +42,8 @@ pub struct PeerStatus {
     pub replicating: bool,
     pub resync_done_bytes: u64,
     pub resync_total_bytes: u64,
+    /// Of the bytes resynced, those whose checksums differed and were sent.
+    pub resync_sent_bytes: u64,
 }
 
 /// The reply to any control request.
@@ -80,6 +82,7 @@ impl Shared {
                         .is_some_and(|c| c.replicating.load(Ordering::Acquire)),
                     resync_done_bytes: slot.resync_done.load(Ordering::Relaxed) * REGION_SIZE,
                     resync_total_bytes: slot.resync_total.load(Ordering::Relaxed) * REGION_SIZE,
+                    resync_sent_bytes: slot.resync_sent.load(Ordering::Relaxed),
                 }
             })
             .collect();
@@ -333,8 +336,8 @@ pub fn render(status: &Status) -> String {
         }
         if peer.resync_total_bytes > 0 {
             text.push_str(&format!(
-                ", resync {}/{} bytes",
-                peer.resync_done_bytes, peer.resync_total_bytes
+                ", resync {}/{} bytes ({} sent, the rest equal)",
+                peer.resync_done_bytes, peer.resync_total_bytes, peer.resync_sent_bytes
             ));
         }
         text.push('\n');

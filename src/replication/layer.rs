@@ -28,6 +28,8 @@ pub struct PeerSlot {
     /// Regions resynced to this peer in the current pass, and the pass's total.
     pub resync_done: AtomicU64,
     pub resync_total: AtomicU64,
+    /// Bytes of data the current pass actually sent (the rest had equal checksums).
+    pub resync_sent: AtomicU64,
 }
 
 /// State shared by the backend, the peer connections and the control socket.
@@ -77,6 +79,7 @@ impl Shared {
                 conn: Mutex::new(None),
                 resync_done: AtomicU64::new(0),
                 resync_total: AtomicU64::new(0),
+                resync_sent: AtomicU64::new(0),
             })
             .collect();
         Ok(Arc::new(Shared {
@@ -451,6 +454,7 @@ impl Shared {
         let total = self.meta().out_of_sync_regions();
         slot.resync_total.store(total, Ordering::Relaxed);
         slot.resync_done.store(0, Ordering::Relaxed);
+        slot.resync_sent.store(0, Ordering::Relaxed);
         info!(peer = %slot.config.name, "resync: {} bytes out of sync", total * REGION_SIZE);
         let started = tokio::time::Instant::now();
         let mut sent_bytes = 0u64;
@@ -485,6 +489,7 @@ impl Shared {
             let mut status = self.await_resync(reply).await?;
             if status == super::wire::ResyncStatus::NeedData {
                 sent_bytes += length;
+                slot.resync_sent.fetch_add(length, Ordering::Relaxed);
                 let reply = conn.request(
                     WaitKey::Request(id),
                     Message::ResyncData { id, offset, data },

@@ -81,11 +81,16 @@ struct Pair {
 }
 
 async fn pair(protocol: &str, primary_local: Arc<dyn Backend>) -> Pair {
-    cluster(protocol, 2, primary_local).await
+    cluster(protocol, 2, primary_local, "1G").await
 }
 
 /// `nodes` nodes (2 or 3); the first is primary with `primary_local` as its backend.
-async fn cluster(protocol: &str, nodes: usize, primary_local: Arc<dyn Backend>) -> Pair {
+async fn cluster(
+    protocol: &str,
+    nodes: usize,
+    primary_local: Arc<dyn Backend>,
+    resync_rate: &str,
+) -> Pair {
     let dir = tempfile::tempdir().unwrap();
     let mut listeners = Vec::new();
     for _ in 0..nodes {
@@ -93,7 +98,7 @@ async fn cluster(protocol: &str, nodes: usize, primary_local: Arc<dyn Backend>) 
     }
     let names = &["alpha", "beta", "gamma"][..nodes];
     let mut text =
-        format!("[resource]\nname = \"t\"\nprotocol = \"{protocol}\"\npeer_timeout = \"2s\"\n");
+        format!("[resource]\nname = \"t\"\nprotocol = \"{protocol}\"\npeer_timeout = \"2s\"\nresync_rate = \"{resync_rate}\"\n");
     for (name, listener) in names.iter().zip(&listeners) {
         text.push_str(&format!(
             "[[node]]\nname = \"{name}\"\nreplication = \"{}\"\nlisten = \"unix:{dir}/{name}.sock\"\nbacking = \"memory:8M\"\nmetadata = \"{dir}/{name}.meta\"\n",
@@ -237,7 +242,7 @@ async fn a_secondary_refuses_client_writes_and_exports_read_only() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_nodes_all_hold_every_write_and_secondaries_link_idle() {
-    let trio = cluster("C", 3, Arc::new(MemoryBackend::new(SIZE, false))).await;
+    let trio = cluster("C", 3, Arc::new(MemoryBackend::new(SIZE, false)), "1G").await;
     let backend = ReplicatedBackend {
         shared: Arc::clone(&trio.primary),
     };
@@ -285,4 +290,42 @@ async fn three_nodes_all_hold_every_write_and_secondaries_link_idle() {
     let status = trio.primary.status();
     assert!(status.peers.iter().all(|p| p.replicating), "{status:?}");
     let _ = trio.stop.send(true);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_full_resync_sends_only_differing_regions_at_the_configured_rate() {
+    // 2 MiB of the primary differ from the fresh secondary (all zeroes); at 4 MiB/s the
+    // resync of those must take about half a second, and the equal 6 MiB cost no data.
+    let local = Arc::new(MemoryBackend::new(SIZE, false));
+    local
+        .write(1 << 20, pattern(5, 2 << 20), false)
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let pair = cluster("C", 2, local, "4M").await;
+    let elapsed = started.elapsed();
+    assert!(
+        elapsed >= Duration::from_millis(450),
+        "2 MiB at 4 MiB/s took only {elapsed:?}"
+    );
+    let mine = pair
+        .primary
+        .local
+        .read(0, SIZE as usize)
+        .await
+        .unwrap()
+        .data;
+    let theirs = pair
+        .secondary
+        .local
+        .read(0, SIZE as usize)
+        .await
+        .unwrap()
+        .data;
+    assert!(mine == theirs, "the full resync left differences");
+    let status = pair.primary.status();
+    assert_eq!(status.peers[0].resync_total_bytes, SIZE);
+    assert_eq!(status.peers[0].resync_sent_bytes, 2 << 20);
+    assert_eq!(status.out_of_sync_bytes, 0);
+    let _ = pair.stop.send(true);
 }

@@ -216,6 +216,17 @@ impl Shared {
                 warn!(
                     "writing without every peer: new data generation {new:#x}; the bitmap tracks what they miss"
                 );
+                // Peers that are connected and in sync have every write of the new
+                // generation too: they take it now, or after a failover they would
+                // look like a split brain to the node that is away.
+                let generations = meta.superblock().generations;
+                for conn in conns.iter().filter(|c| c.synced.load(Ordering::Acquire)) {
+                    conn.send(Message::State {
+                        role: Role::Primary,
+                        disk: DiskState::UpToDate,
+                        generations,
+                    });
+                }
             }
         }
         Ok(conns)
@@ -511,7 +522,7 @@ impl Shared {
             let due = Duration::from_secs_f64(sent_bytes as f64 / self.resource.resync_rate as f64);
             tokio::time::sleep_until(started + due).await;
         }
-        let generations = {
+        {
             let mut meta = self.meta();
             if meta.out_of_sync_regions() == 0 && self.replicating_conns().len() == self.peers.len()
             {
@@ -519,13 +530,16 @@ impl Shared {
                     .map_err(|e| e.to_string())?;
                 meta.flush_bitmap().map_err(|e| e.to_string())?;
             }
-            meta.superblock().generations
-        };
-        conn.send(Message::State {
-            role: Role::Primary,
-            disk: DiskState::UpToDate,
-            generations,
-        });
+            // Under the metadata lock, so a new generation started by a write is either
+            // in this message or sent after it.
+            let generations = meta.superblock().generations;
+            conn.synced.store(true, Ordering::Release);
+            conn.send(Message::State {
+                role: Role::Primary,
+                disk: DiskState::UpToDate,
+                generations,
+            });
+        }
         info!(peer = %slot.config.name, "resync done: {sent_bytes} bytes sent, the rest had equal checksums");
         Ok(())
     }

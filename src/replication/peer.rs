@@ -54,6 +54,8 @@ pub struct PeerConn {
     peer_generations: Mutex<Generations>,
     /// Replicated writes go to this peer.
     pub replicating: AtomicBool,
+    /// The peer finished its resync from this node and has every write since.
+    pub synced: AtomicBool,
     outgoing: mpsc::UnboundedSender<Message>,
     waiters: Mutex<HashMap<WaitKey, oneshot::Sender<Message>>>,
     /// Writes sent and not yet acknowledged: sequence number → (offset, length).
@@ -70,6 +72,7 @@ impl PeerConn {
             plan,
             peer_generations: Mutex::new(hello.generations),
             replicating: AtomicBool::new(false),
+            synced: AtomicBool::new(false),
             outgoing,
             waiters: Mutex::new(HashMap::new()),
             in_flight: Mutex::new(HashMap::new()),

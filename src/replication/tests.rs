@@ -81,7 +81,7 @@ struct Pair {
 }
 
 async fn pair(protocol: &str, primary_local: Arc<dyn Backend>) -> Pair {
-    cluster(protocol, 2, primary_local, "1G").await
+    cluster(protocol, 2, primary_local, "1G", 2).await
 }
 
 /// `nodes` nodes (2 or 3); the first is primary with `primary_local` as its backend.
@@ -90,6 +90,7 @@ async fn cluster(
     nodes: usize,
     primary_local: Arc<dyn Backend>,
     resync_rate: &str,
+    running: usize,
 ) -> Pair {
     let dir = tempfile::tempdir().unwrap();
     let mut listeners = Vec::new();
@@ -113,7 +114,7 @@ async fn cluster(
         Shared::new(local, resource.clone(), name, meta).unwrap()
     };
     let primary = open("alpha", primary_local);
-    let secondaries: Vec<Arc<Shared>> = names[1..]
+    let secondaries: Vec<Arc<Shared>> = names[1..running]
         .iter()
         .map(|name| open(name, Arc::new(MemoryBackend::new(SIZE, false))))
         .collect();
@@ -242,7 +243,7 @@ async fn a_secondary_refuses_client_writes_and_exports_read_only() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_nodes_all_hold_every_write_and_secondaries_link_idle() {
-    let trio = cluster("C", 3, Arc::new(MemoryBackend::new(SIZE, false)), "1G").await;
+    let trio = cluster("C", 3, Arc::new(MemoryBackend::new(SIZE, false)), "1G", 3).await;
     let backend = ReplicatedBackend {
         shared: Arc::clone(&trio.primary),
     };
@@ -302,7 +303,7 @@ async fn the_first_full_resync_sends_only_differing_regions_at_the_configured_ra
         .await
         .unwrap();
     let started = std::time::Instant::now();
-    let pair = cluster("C", 2, local, "4M").await;
+    let pair = cluster("C", 2, local, "4M", 2).await;
     let elapsed = started.elapsed();
     assert!(
         elapsed >= Duration::from_millis(450),
@@ -327,5 +328,44 @@ async fn the_first_full_resync_sends_only_differing_regions_at_the_configured_ra
     assert_eq!(status.peers[0].resync_total_bytes, SIZE);
     assert_eq!(status.peers[0].resync_sent_bytes, 2 << 20);
     assert_eq!(status.out_of_sync_bytes, 0);
+    let _ = pair.stop.send(true);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connected_peer_takes_the_new_generation_when_another_is_away() {
+    // Three nodes, gamma never starts: the first write opens a new generation, which beta
+    // (connected, in sync) must share, or a failover to beta would later look like a
+    // split brain to alpha.
+    let pair = cluster("C", 3, Arc::new(MemoryBackend::new(SIZE, false)), "1G", 2).await;
+    let before = pair.primary.status().generation;
+    let backend = ReplicatedBackend {
+        shared: Arc::clone(&pair.primary),
+    };
+    backend.write(0, pattern(4, 4096), false).await.unwrap();
+    backend.flush().await.unwrap();
+    let after = pair.primary.status();
+    assert_ne!(
+        after.generation, before,
+        "a new generation for gamma's absence"
+    );
+    // Gamma was never synced: with one bitmap for all peers, beta's first (full)
+    // resync could not clear a bit gamma still needs.
+    assert_eq!(
+        after.out_of_sync_bytes, SIZE,
+        "everything stays marked for gamma"
+    );
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while pair.secondary.status().generation != after.generation {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("beta takes the new generation");
+    let (_, beta) = pair.secondary.local_state();
+    let (_, alpha) = pair.primary.local_state();
+    assert_eq!(
+        beta.compare(&alpha),
+        super::generation::SyncDecision::InSync
+    );
     let _ = pair.stop.send(true);
 }

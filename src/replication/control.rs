@@ -210,10 +210,7 @@ async fn answer(shared: &Shared, request: &str) -> Reply {
             done(result)
         }
         ["demote"] => {
-            if let Err(e) = shared.flush_all().await {
-                return done(Err(format!("flush before demoting failed: {e}")));
-            }
-            let result = shared.demote().map(|()| {
+            let result = shared.demote().await.map(|()| {
                 shared.drop_connections();
                 "demoted to secondary".to_string()
             });

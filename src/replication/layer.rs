@@ -178,9 +178,15 @@ impl Shared {
         Ok(())
     }
 
-    /// Makes this node secondary (after its in-flight writes finished).
-    pub fn demote(&self) -> Result<(), String> {
+    /// Makes this node secondary: new client writes are refused at once, the writes
+    /// already past that check finish, and one replicated flush makes them durable on
+    /// every replica before the role change is recorded.
+    pub async fn demote(&self) -> Result<(), String> {
         self.primary.store(false, Ordering::Release);
+        self.ranges.wait_idle().await;
+        self.flush_all()
+            .await
+            .map_err(|e| format!("flush before demoting failed: {e}"))?;
         self.meta()
             .update(|sb| sb.primary = false)
             .map_err(|e| e.to_string())?;
@@ -398,17 +404,15 @@ impl Shared {
     /// A replicated flush: a barrier on every replicating peer and a local flush.
     pub async fn flush_all(&self) -> Result<(), BackendError> {
         let epoch = self.next_epoch.fetch_add(1, Ordering::Relaxed);
-        let waits: Vec<_> = if self.is_primary() {
-            self.replicating_conns()
-                .into_iter()
-                .map(|conn| {
-                    let wait = conn.request(WaitKey::Epoch(epoch), Message::Barrier { epoch });
-                    (conn, wait)
-                })
-                .collect()
-        } else {
-            Vec::new()
-        };
+        // Only a primary has replicating connections (a demoted one until it reconnects).
+        let waits: Vec<_> = self
+            .replicating_conns()
+            .into_iter()
+            .map(|conn| {
+                let wait = conn.request(WaitKey::Epoch(epoch), Message::Barrier { epoch });
+                (conn, wait)
+            })
+            .collect();
         let local = self.local.flush().await;
         let deadline = tokio::time::Instant::now() + self.resource.peer_timeout;
         for (conn, wait) in waits {
@@ -727,6 +731,24 @@ impl RangeLocks {
                     held.insert(id, (offset, end));
                     return RangeGuard { locks: self, id };
                 }
+            }
+            released.await;
+        }
+    }
+}
+
+impl RangeLocks {
+    /// Waits until no range is held.
+    async fn wait_idle(&self) {
+        loop {
+            let released = self.released.notified();
+            if self
+                .held
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_empty()
+            {
+                return;
             }
             released.await;
         }

@@ -10,13 +10,19 @@ use std::time::{Duration, Instant};
 
 use common::{have, read_all, run, Server};
 
-/// A free TCP port on loopback (bound and released; good enough for tests).
+/// A free TCP port on loopback for a node's fixed address. Taken below the kernel's
+/// ephemeral range (32768 and up), so that no client connection of a parallel test is
+/// handed the same port as its source port while a node restarts.
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    loop {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = 20_000 + (std::process::id() * 97 + n * 31) % 12_000;
+        if std::net::TcpListener::bind(("127.0.0.1", port as u16)).is_ok() {
+            return port as u16;
+        }
+    }
 }
 
 struct NodeSpec {

@@ -256,7 +256,7 @@ fn check_hello(
     shared: &Shared,
     hello: &Hello,
     expected: Option<usize>,
-) -> Result<(usize, Plan), String> {
+) -> Result<(usize, Plan, SyncDecision), String> {
     if hello.version != PROTOCOL_VERSION {
         return Err(format!(
             "peer speaks protocol version {}, this node {PROTOCOL_VERSION}",
@@ -340,7 +340,7 @@ fn check_hello(
         },
         (Role::Secondary, Role::Secondary) => Plan::Idle,
     };
-    Ok((index, plan))
+    Ok((index, plan, decision))
 }
 
 /// A hello is small: a stranger may not make this node buffer a 32 MiB frame.
@@ -407,13 +407,13 @@ async fn run_connection(
             return;
         }
     };
-    let checked = check_hello(&shared, &hello, expected).and_then(|(index, plan)| {
+    let checked = check_hello(&shared, &hello, expected).and_then(|(index, plan, decision)| {
         let (tx, rx) = mpsc::unbounded_channel();
         let conn = PeerConn::new(&hello, plan, tx);
         shared.install(&shared.peers[index], Arc::clone(&conn), plan)?;
-        Ok((index, conn, rx))
+        Ok((index, conn, rx, decision))
     });
-    let (index, conn, outgoing) = match checked {
+    let (index, conn, outgoing, decision) = match checked {
         Ok(ok) => ok,
         Err(reason) => {
             warn!("refusing peer {:?} at {addr}: {reason}", hello.node);
@@ -438,7 +438,11 @@ async fn run_connection(
             }))
         }
         Plan::Target => {
-            shared.begin_resync_target();
+            // Older data is overwritten region by region: unusable alone until the end.
+            // With the same generation this node's data stays consistent meanwhile.
+            if decision != SyncDecision::InSync {
+                shared.begin_resync_target();
+            }
             // What this node itself may have different (its logged extents after a crash
             // as primary, for one) must be resynced too.
             let runs = shared.meta().out_of_sync_runs();

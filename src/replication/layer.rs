@@ -21,6 +21,9 @@ use crate::backend::{
 };
 use crate::wire::NbdError;
 
+/// Protocol A: payload bytes a peer may have unacknowledged before writes wait for it.
+const PROTOCOL_A_MAX_UNACKED: u64 = 64 << 20;
+
 /// One configured peer and its connection, if any.
 pub struct PeerSlot {
     pub config: NodeConfig,
@@ -370,8 +373,11 @@ impl Shared {
             .collect();
         // Created only now: the local write must not start before the log update.
         let local_result = local().await;
-        if self.resource.protocol != Protocol::A {
-            for (conn, wait) in waits {
+        for (conn, wait) in waits {
+            // Protocol A does not wait, except for a peer so far behind that its queue
+            // would grow without bound: then this write waits like protocol C.
+            let behind = conn.unacked_bytes() > PROTOCOL_A_MAX_UNACKED;
+            if self.resource.protocol != Protocol::A || behind {
                 self.await_peer(&conn, wait, op, deadline).await;
             }
         }

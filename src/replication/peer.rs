@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -58,8 +58,11 @@ pub struct PeerConn {
     pub synced: AtomicBool,
     outgoing: mpsc::UnboundedSender<Message>,
     waiters: Mutex<HashMap<WaitKey, oneshot::Sender<Message>>>,
-    /// Writes sent and not yet acknowledged: sequence number → (offset, length).
-    in_flight: Mutex<HashMap<u64, (u64, u64)>>,
+    /// Writes sent and not yet acknowledged: sequence number → (offset, length, payload
+    /// bytes).
+    in_flight: Mutex<HashMap<u64, (u64, u64, u64)>>,
+    /// Payload bytes of the writes in `in_flight`.
+    unacked_bytes: AtomicU64,
     closed: watch::Sender<bool>,
     /// The peer (a resync target) has sent its whole bitmap.
     peer_bitmap_done: watch::Sender<bool>,
@@ -76,6 +79,7 @@ impl PeerConn {
             outgoing,
             waiters: Mutex::new(HashMap::new()),
             in_flight: Mutex::new(HashMap::new()),
+            unacked_bytes: AtomicU64::new(0),
             closed: watch::channel(false).0,
             peer_bitmap_done: watch::channel(false).0,
         })
@@ -133,17 +137,31 @@ impl PeerConn {
         key: WaitKey,
         message: Message,
     ) -> oneshot::Receiver<Message> {
+        let payload = match &message {
+            Message::Write { data, .. } => data.len() as u64,
+            _ => 0,
+        };
+        self.unacked_bytes.fetch_add(payload, Ordering::AcqRel);
         self.in_flight
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(seq, (offset, length));
+            .insert(seq, (offset, length, payload));
         self.request(key, message)
+    }
+
+    /// Payload bytes sent to this peer and not yet acknowledged.
+    pub fn unacked_bytes(&self) -> u64 {
+        self.unacked_bytes.load(Ordering::Acquire)
     }
 
     /// The ranges of writes sent and never acknowledged.
     pub fn take_in_flight(&self) -> Vec<(u64, u64)> {
         let mut in_flight = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
-        in_flight.drain().map(|(_, range)| range).collect()
+        self.unacked_bytes.store(0, Ordering::Release);
+        in_flight
+            .drain()
+            .map(|(_, (offset, length, _))| (offset, length))
+            .collect()
     }
 
     /// Ends the connection: every waiter gets an error.
@@ -161,10 +179,14 @@ impl PeerConn {
 
     fn deliver(&self, key: WaitKey, message: Message) {
         if let WaitKey::Seq(seq) = key {
-            self.in_flight
+            let acked = self
+                .in_flight
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .remove(&seq);
+            if let Some((_, _, payload)) = acked {
+                self.unacked_bytes.fetch_sub(payload, Ordering::AcqRel);
+            }
         }
         let waiter = self
             .waiters
@@ -807,4 +829,61 @@ async fn handle<'a>(
 
 fn out_of_range(op: &'static str, offset: u64, length: u64) -> crate::backend::BackendError {
     crate::backend::BackendError::plain(op, offset, length, crate::wire::NbdError::Inval)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::replication::wire::example_messages;
+
+    fn conn() -> (Arc<PeerConn>, mpsc::UnboundedReceiver<Message>) {
+        let Some(Message::Hello(hello)) = example_messages().into_iter().next() else {
+            panic!("the first example is a hello");
+        };
+        let (tx, rx) = mpsc::unbounded_channel();
+        (PeerConn::new(&hello, Plan::Source { full: false }, tx), rx)
+    }
+
+    fn write(seq: u64, len: usize) -> Message {
+        Message::Write {
+            seq,
+            offset: seq << 20,
+            flags: 0,
+            data: Bytes::from(vec![0; len]),
+        }
+    }
+
+    #[test]
+    fn unacknowledged_writes_are_counted_and_returned_on_loss() {
+        let (conn, mut sent) = conn();
+        let mut waits = Vec::new();
+        for seq in 1..=3 {
+            waits.push(conn.send_write(
+                seq,
+                seq << 20,
+                1 << 20,
+                WaitKey::Seq(seq),
+                write(seq, 1 << 20),
+            ));
+        }
+        assert_eq!(conn.unacked_bytes(), 3 << 20);
+        assert!(matches!(sent.try_recv(), Ok(Message::Write { seq: 1, .. })));
+        conn.deliver(WaitKey::Seq(2), Message::Ack { seq: 2, status: 0 });
+        assert_eq!(conn.unacked_bytes(), 2 << 20);
+        assert!(matches!(
+            waits[1].try_recv(),
+            Ok(Message::Ack { seq: 2, .. })
+        ));
+        let mut lost = conn.take_in_flight();
+        lost.sort();
+        assert_eq!(lost, [(1 << 20, 1 << 20), (3 << 20, 1 << 20)]);
+        assert_eq!(conn.unacked_bytes(), 0);
+        // Closing fails every waiter instead of leaving it hanging.
+        conn.close();
+        assert_eq!(
+            waits[0].try_recv(),
+            Err(oneshot::error::TryRecvError::Closed)
+        );
+        assert!(conn.is_closed());
+    }
 }

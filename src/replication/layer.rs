@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::{oneshot, Notify};
 use tracing::{info, warn};
 
@@ -15,11 +16,14 @@ use super::config::{NodeConfig, Protocol, ResourceConfig};
 use super::generation::{random_generation, SyncDecision, JUST_CREATED};
 use super::meta::{MetaError, Metadata, EXTENT_SIZE, REGION_SIZE};
 use super::peer::{PeerConn, Plan, WaitKey};
-use super::wire::{write_flags, DiskState, Message, Role};
+use super::wire::{write_flags, DiskState, Message, ResyncStatus, Role};
 use crate::backend::{
     Backend, BackendError, BackendFuture, Capabilities, Extent, ReadData, ZeroFlags,
 };
 use crate::wire::NbdError;
+
+/// Regions a resync has in flight at once.
+const RESYNC_WINDOW: usize = 8;
 
 /// Protocol A: payload bytes a peer may have unacknowledged before writes wait for it.
 const PROTOCOL_A_MAX_UNACKED: u64 = 64 << 20;
@@ -480,54 +484,20 @@ impl Shared {
         let started = tokio::time::Instant::now();
         let mut sent_bytes = 0u64;
         let mut region = 0;
+        // Several regions in flight, so a resync is not one round trip per 64 KiB.
+        let mut in_flight = FuturesUnordered::new();
         loop {
-            if conn.is_closed() {
-                return Err("connection closed".into());
+            while in_flight.len() < RESYNC_WINDOW {
+                let Some(next) = self.meta().next_out_of_sync(region) else {
+                    break;
+                };
+                region = next + 1;
+                in_flight.push(self.resync_region(slot, conn, next, size));
             }
-            let Some(next) = self.meta().next_out_of_sync(region) else {
+            let Some(done) = in_flight.next().await else {
                 break;
             };
-            region = next + 1;
-            let offset = next * REGION_SIZE;
-            let length = REGION_SIZE.min(size - offset);
-            let guard = self.lock_range(offset, length).await;
-            let data = self
-                .local
-                .read(offset, length as usize)
-                .await
-                .map_err(|e| format!("resync read: {e}"))?
-                .data;
-            let id = self.request_id();
-            let reply = conn.request(
-                WaitKey::Request(id),
-                Message::ResyncChecksum {
-                    id,
-                    offset,
-                    length: length as u32,
-                    checksum: crc32c::crc32c(&data),
-                },
-            );
-            let mut status = self.await_resync(reply).await?;
-            if status == super::wire::ResyncStatus::NeedData {
-                sent_bytes += length;
-                slot.resync_sent.fetch_add(length, Ordering::Relaxed);
-                let reply = conn.request(
-                    WaitKey::Request(id),
-                    Message::ResyncData { id, offset, data },
-                );
-                status = self.await_resync(reply).await?;
-            }
-            if status != super::wire::ResyncStatus::InSync {
-                return Err(format!("peer could not resync offset {offset}: {status:?}"));
-            }
-            {
-                let mut meta = self.meta();
-                if self.replicating_conns().len() == self.peers.len() {
-                    meta.mark_in_sync(next);
-                }
-            }
-            drop(guard);
-            slot.resync_done.fetch_add(1, Ordering::Relaxed);
+            sent_bytes += done?;
             // Rate limit on the bytes actually sent.
             let due = Duration::from_secs_f64(sent_bytes as f64 / self.resource.resync_rate as f64);
             tokio::time::sleep_until(started + due).await;
@@ -554,10 +524,65 @@ impl Shared {
         Ok(())
     }
 
+    /// Resyncs one region; returns the data bytes sent (0 when the checksums matched).
+    async fn resync_region(
+        &self,
+        slot: &PeerSlot,
+        conn: &Arc<PeerConn>,
+        region: u64,
+        size: u64,
+    ) -> Result<u64, String> {
+        if conn.is_closed() {
+            return Err("connection closed".into());
+        }
+        let offset = region * REGION_SIZE;
+        let length = REGION_SIZE.min(size - offset);
+        let _guard = self.lock_range(offset, length).await;
+        let data = self
+            .local
+            .read(offset, length as usize)
+            .await
+            .map_err(|e| format!("resync read: {e}"))?
+            .data;
+        let id = self.request_id();
+        let reply = conn.request(
+            WaitKey::Request(id),
+            Message::ResyncChecksum {
+                id,
+                offset,
+                length: length as u32,
+                checksum: crc32c::crc32c(&data),
+            },
+        );
+        let mut status = self.await_resync(reply).await?;
+        let mut sent = 0;
+        if status == ResyncStatus::NeedData {
+            sent = length;
+            slot.resync_sent.fetch_add(length, Ordering::Relaxed);
+            let reply = conn.request(
+                WaitKey::Request(id),
+                Message::ResyncData { id, offset, data },
+            );
+            status = self.await_resync(reply).await?;
+        }
+        if status != ResyncStatus::InSync {
+            return Err(format!("peer could not resync offset {offset}: {status:?}"));
+        }
+        {
+            let mut meta = self.meta();
+            // One bitmap serves every peer: a bit stays while any peer is away.
+            if self.replicating_conns().len() == self.peers.len() {
+                meta.mark_in_sync(region);
+            }
+        }
+        slot.resync_done.fetch_add(1, Ordering::Relaxed);
+        Ok(sent)
+    }
+
     async fn await_resync(
         &self,
         reply: oneshot::Receiver<Message>,
-    ) -> Result<super::wire::ResyncStatus, String> {
+    ) -> Result<ResyncStatus, String> {
         match tokio::time::timeout(self.resource.peer_timeout, reply).await {
             Ok(Ok(Message::ResyncReply { status, .. })) => Ok(status),
             Ok(Ok(other)) => Err(format!("unexpected {} during resync", other.name())),

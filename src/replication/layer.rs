@@ -224,7 +224,7 @@ impl Shared {
             let generations = meta.superblock().generations;
             if generations.bitmap == 0 {
                 let new = random_generation().map_err(|e| e.to_string())?;
-                meta.update(|sb| sb.generations.start_new(new))
+                blocking(|| meta.update(|sb| sb.generations.start_new(new)))
                     .map_err(|e| e.to_string())?;
                 warn!(
                     "writing without every peer: new data generation {new:#x}; the bitmap tracks what they miss"
@@ -301,9 +301,8 @@ impl Shared {
                 if meta.is_active(&extents) {
                     meta.activate(extents.clone())
                 } else {
-                    // A log transaction is an fdatasync: keep it off the runtime's
-                    // worker threads' critical path.
-                    tokio::task::block_in_place(|| meta.activate(extents.clone()))
+                    // A log transaction is an fdatasync.
+                    blocking(|| meta.activate(extents.clone()))
                 }
             };
             match result {
@@ -733,6 +732,18 @@ impl Backend for ReplicatedBackend {
 
     fn extents(&self, offset: u64, length: u64) -> BackendFuture<'_, Vec<Extent>> {
         self.shared.local.extents(offset, length)
+    }
+}
+
+/// Runs a short blocking step (a metadata fdatasync) from async code: on a multi-thread
+/// runtime the worker hands its other tasks to the rest first; elsewhere it just runs.
+fn blocking<T>(step: impl FnOnce() -> T) -> T {
+    let multi_thread = tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+    if multi_thread {
+        tokio::task::block_in_place(step)
+    } else {
+        step()
     }
 }
 

@@ -369,3 +369,20 @@ async fn a_connected_peer_takes_the_new_generation_when_another_is_away() {
     );
     let _ = pair.stop.send(true);
 }
+
+#[tokio::test(flavor = "current_thread")]
+async fn the_layer_also_runs_on_a_current_thread_runtime() {
+    // Metadata updates must not rely on block_in_place, which panics here.
+    let pair = pair("C", Arc::new(MemoryBackend::new(SIZE, false))).await;
+    let backend = ReplicatedBackend {
+        shared: Arc::clone(&pair.primary),
+    };
+    backend
+        .write(5 << 20, pattern(6, 8192), true)
+        .await
+        .unwrap();
+    backend.flush().await.unwrap();
+    let theirs = pair.secondary.local.read(5 << 20, 8192).await.unwrap().data;
+    assert_eq!(theirs, pattern(6, 8192));
+    let _ = pair.stop.send(true);
+}

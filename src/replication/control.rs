@@ -27,6 +27,7 @@ pub struct Status {
     pub disk: String,
     pub generation: String,
     pub bitmap_generation: String,
+    /// Bytes that some peer misses.
     pub out_of_sync_bytes: u64,
     pub peers: Vec<PeerStatus>,
 }
@@ -44,6 +45,8 @@ pub struct PeerStatus {
     pub resync_total_bytes: u64,
     /// Of the bytes resynced, those whose checksums differed and were sent.
     pub resync_sent_bytes: u64,
+    /// Bytes this peer misses (its own bitmap).
+    pub out_of_sync_bytes: u64,
 }
 
 /// The reply to any control request.
@@ -57,10 +60,18 @@ pub struct Reply {
 impl Shared {
     /// This node's status.
     pub fn status(&self) -> Status {
-        let (disk, generations, out_of_sync_bytes) = {
+        let (disk, generations, out_of_sync_bytes, per_peer) = {
             let meta = self.meta();
             let sb = meta.superblock();
-            (sb.disk, sb.generations, meta.out_of_sync_bytes())
+            let per_peer: Vec<u64> = (0..self.peers.len())
+                .map(|peer| meta.out_of_sync_bytes(peer))
+                .collect();
+            (
+                sb.disk,
+                sb.generations,
+                meta.out_of_sync_bytes_for_any(),
+                per_peer,
+            )
         };
         let peers = self
             .peers
@@ -83,6 +94,7 @@ impl Shared {
                     resync_done_bytes: slot.resync_done.load(Ordering::Relaxed) * REGION_SIZE,
                     resync_total_bytes: slot.resync_total.load(Ordering::Relaxed) * REGION_SIZE,
                     resync_sent_bytes: slot.resync_sent.load(Ordering::Relaxed),
+                    out_of_sync_bytes: per_peer[slot.index],
                 }
             })
             .collect();
@@ -157,7 +169,7 @@ impl Shared {
                     _ => return Err(format!("peer {} did not answer the verify", conn.peer)),
                 };
                 if theirs != Some(crc32c::crc32c(&local.data)) {
-                    self.meta().mark_out_of_sync(offset, length);
+                    self.meta().mark_out_of_sync(slot.index, offset, length);
                     peer_differing += 1;
                 }
                 drop(guard);
@@ -327,7 +339,10 @@ pub fn render(status: &Status) -> String {
         status.out_of_sync_bytes
     );
     for peer in &status.peers {
-        text.push_str(&format!("  peer {}: {}", peer.name, peer.link));
+        text.push_str(&format!(
+            "  peer {}: {}, {} bytes out of sync",
+            peer.name, peer.link, peer.out_of_sync_bytes
+        ));
         if peer.replicating {
             text.push_str(", replicating");
         }

@@ -30,6 +30,8 @@ const PROTOCOL_A_MAX_UNACKED: u64 = 64 << 20;
 
 /// One configured peer and its connection, if any.
 pub struct PeerSlot {
+    /// Position among the peers: also the index of this peer's bitmap.
+    pub index: usize,
     pub config: NodeConfig,
     pub conn: Mutex<Option<Arc<PeerConn>>>,
     /// Regions resynced to this peer in the current pass, and the pass's total.
@@ -81,7 +83,9 @@ impl Shared {
         }
         let peers = resource
             .peers_of(node)
-            .map(|config| PeerSlot {
+            .enumerate()
+            .map(|(index, config)| PeerSlot {
+                index,
                 config: config.clone(),
                 conn: Mutex::new(None),
                 resync_done: AtomicU64::new(0),
@@ -220,7 +224,11 @@ impl Shared {
         let mut meta = self.meta();
         let conns = self.replicating_conns();
         if conns.len() < self.peers.len() {
-            meta.mark_out_of_sync(offset, length);
+            for slot in &self.peers {
+                if !conns.iter().any(|c| c.peer == slot.config.name) {
+                    meta.mark_out_of_sync(slot.index, offset, length);
+                }
+            }
             let generations = meta.superblock().generations;
             if generations.bitmap == 0 {
                 let new = random_generation().map_err(|e| e.to_string())?;
@@ -260,15 +268,20 @@ impl Shared {
         conn.close();
         if was_replicating && self.is_primary() && !self.stopping.load(Ordering::Acquire) {
             for (offset, length) in conn.take_in_flight() {
-                meta.mark_out_of_sync(offset, length);
+                meta.mark_out_of_sync(slot.index, offset, length);
             }
             for extent in meta.logged_extents().to_vec() {
-                meta.mark_out_of_sync(extent * EXTENT_SIZE, EXTENT_SIZE);
+                meta.mark_out_of_sync(slot.index, extent * EXTENT_SIZE, EXTENT_SIZE);
             }
-            warn!(peer = %slot.config.name, "peer lost ({why}): going on degraded, {} bytes out of sync", meta.out_of_sync_bytes());
+            warn!(peer = %slot.config.name, "peer lost ({why}): going on degraded, {} bytes out of sync", meta.out_of_sync_bytes(slot.index));
         } else {
             info!(peer = %slot.config.name, "peer disconnected ({why})");
         }
+    }
+
+    /// The slot of the peer called `name`.
+    pub fn slot_named(&self, name: &str) -> Option<&PeerSlot> {
+        self.peers.iter().find(|slot| slot.config.name == name)
     }
 
     /// Installs a new connection in its slot; as a resync source it takes writes from
@@ -284,7 +297,7 @@ impl Shared {
                 return Err("this node stopped being primary".into());
             }
             if full {
-                meta.mark_all_out_of_sync();
+                meta.mark_all_out_of_sync(slot.index);
             }
             conn.replicating.store(true, Ordering::Release);
         }
@@ -470,12 +483,12 @@ impl Shared {
     }
 
     /// Resync of one peer's out-of-sync regions, one region at a time and rate-limited.
-    /// Bits are cleared only when no other peer is missing (one bitmap serves all peers).
+    /// Only this peer's bitmap is used and cleared.
     pub async fn resync(&self, slot: &PeerSlot, conn: &Arc<PeerConn>) -> Result<(), String> {
         let size = self.local.size();
         // The union of both bitmaps: the target's arrives first.
         conn.wait_peer_bitmap(self.resource.peer_timeout).await?;
-        let total = self.meta().out_of_sync_regions();
+        let total = self.meta().out_of_sync_regions(slot.index);
         slot.resync_total.store(total, Ordering::Relaxed);
         slot.resync_done.store(0, Ordering::Relaxed);
         slot.resync_sent.store(0, Ordering::Relaxed);
@@ -487,7 +500,7 @@ impl Shared {
         let mut in_flight = FuturesUnordered::new();
         loop {
             while in_flight.len() < RESYNC_WINDOW {
-                let Some(next) = self.meta().next_out_of_sync(region) else {
+                let Some(next) = self.meta().next_out_of_sync(slot.index, region) else {
                     break;
                 };
                 region = next + 1;
@@ -503,7 +516,8 @@ impl Shared {
         }
         {
             let mut meta = self.meta();
-            if meta.out_of_sync_regions() == 0 && self.replicating_conns().len() == self.peers.len()
+            if meta.out_of_sync_bytes_for_any() == 0
+                && self.replicating_conns().len() == self.peers.len()
             {
                 meta.update(|sb| sb.generations.close_bitmap())
                     .map_err(|e| e.to_string())?;
@@ -567,13 +581,7 @@ impl Shared {
         if status != ResyncStatus::InSync {
             return Err(format!("peer could not resync offset {offset}: {status:?}"));
         }
-        {
-            let mut meta = self.meta();
-            // One bitmap serves every peer: a bit stays while any peer is away.
-            if self.replicating_conns().len() == self.peers.len() {
-                meta.mark_in_sync(region);
-            }
-        }
+        self.meta().mark_in_sync(slot.index, region);
         slot.resync_done.fetch_add(1, Ordering::Relaxed);
         Ok(sent)
     }

@@ -7,7 +7,8 @@
 //! 0        superblock slot 0      (4 KiB)  \ written alternately; the valid one with
 //! 4 KiB    superblock slot 1      (4 KiB)  / the higher sequence number wins
 //! 8 KiB    activity-log ring      (16 records of 4 KiB, newest valid record wins)
-//! 72 KiB   out-of-sync bitmap     (one bit per 64 KiB region, little-endian u64 words)
+//! 72 KiB   out-of-sync bitmaps    (one per peer, each a bit per 64 KiB region,
+//!                                  little-endian u64 words, 4 KiB-aligned)
 //! ```
 //!
 //! A superblock or activity-log write that is torn by a crash fails its checksum, so the
@@ -27,7 +28,7 @@ use super::generation::Generations;
 use super::wire::DiskState;
 
 /// Bytes covered by one bitmap bit: small enough that a write marks little for resync,
-/// large enough that a 1 TiB device needs only a 2 MiB bitmap.
+/// large enough that a 1 TiB device needs only a 2 MiB bitmap per peer.
 pub const REGION_SIZE: u64 = 64 << 10;
 /// Bytes covered by one activity-log slot. 64 slots × 4 MiB bounds the resync after a
 /// crash to 256 MiB while sequential writes need a log update only every 4 MiB.
@@ -39,7 +40,7 @@ const AL_RING: u64 = 16;
 const RECORD_SIZE: u64 = 4096;
 const SUPERBLOCK_MAGIC: u64 = 0x4e42_4c4b_4d45_5441; // "NBLKMETA"
 const AL_MAGIC: u32 = 0x4e42_414c; // "NBAL"
-const FORMAT_VERSION: u32 = 1;
+const FORMAT_VERSION: u32 = 2;
 const AL_OFFSET: u64 = 2 * RECORD_SIZE;
 const BITMAP_OFFSET: u64 = AL_OFFSET + AL_RING * RECORD_SIZE;
 const REGIONS_PER_EXTENT: u64 = EXTENT_SIZE / REGION_SIZE;
@@ -87,6 +88,8 @@ pub enum MetaError {
 pub struct Superblock {
     pub node: String,
     pub resource: String,
+    /// The peers, in the order of their bitmaps.
+    pub peers: Vec<String>,
     pub size: u64,
     pub generations: Generations,
     pub primary: bool,
@@ -106,26 +109,31 @@ pub struct Metadata {
     /// Writes in flight per logged extent (same order as `al_extents`).
     al_refs: Vec<u32>,
     al_seq: u64,
-    bitmap: Vec<u64>,
+    /// One bitmap per peer: the regions that peer misses.
+    bitmaps: Vec<Vec<u64>>,
     regions: u64,
-    dirty_pages: BTreeSet<u64>,
+    /// Bytes of one peer's bitmap on disk.
+    bitmap_bytes: u64,
+    /// Changed pages as (peer, page).
+    dirty_pages: BTreeSet<(usize, u64)>,
     /// Extents the log held when metadata that was not closed cleanly was opened.
     recovered_extents: usize,
 }
 
 impl Metadata {
     /// Opens the metadata at `path`, creating it for a fresh node if there is none. An
-    /// existing file must name the same node, resource and size.
+    /// existing file must name the same node, resource, peers and size.
     pub fn open_or_create(
         path: &Path,
         node: &str,
         resource: &str,
+        peers: &[String],
         size: u64,
     ) -> Result<Metadata, MetaError> {
         let metadata = if path.exists() {
             Metadata::open(path)?
         } else {
-            Metadata::create(path, node, resource, size)?
+            Metadata::create(path, node, resource, peers, size)?
         };
         let check = |what, found: &str, expected: &str| {
             if found == expected {
@@ -141,6 +149,11 @@ impl Metadata {
         };
         check("node", &metadata.superblock.node, node)?;
         check("resource", &metadata.superblock.resource, resource)?;
+        check(
+            "peers",
+            &metadata.superblock.peers.join(","),
+            &peers.join(","),
+        )?;
         if metadata.superblock.size != size {
             return Err(MetaError::WrongSize {
                 path: path.to_path_buf(),
@@ -156,6 +169,7 @@ impl Metadata {
         path: &Path,
         node: &str,
         resource: &str,
+        peers: &[String],
         size: u64,
     ) -> Result<Metadata, MetaError> {
         let file = OpenOptions::new()
@@ -165,8 +179,8 @@ impl Metadata {
             .open(path)
             .map_err(io_err(path, "creating"))?;
         let regions = size.div_ceil(REGION_SIZE);
-        let bitmap_bytes = regions.div_ceil(8).next_multiple_of(BITMAP_PAGE);
-        file.set_len(BITMAP_OFFSET + bitmap_bytes)
+        let bitmap_bytes = bitmap_bytes(regions);
+        file.set_len(BITMAP_OFFSET + bitmap_bytes * peers.len() as u64)
             .map_err(io_err(path, "sizing"))?;
         let mut metadata = Metadata {
             file,
@@ -174,6 +188,7 @@ impl Metadata {
             superblock: Superblock {
                 node: node.to_string(),
                 resource: resource.to_string(),
+                peers: peers.to_vec(),
                 size,
                 generations: Generations::just_created(),
                 primary: false,
@@ -184,8 +199,9 @@ impl Metadata {
             al_extents: Vec::new(),
             al_refs: Vec::new(),
             al_seq: 0,
-            bitmap: vec![0; regions.div_ceil(64) as usize],
+            bitmaps: vec![vec![0; regions.div_ceil(64) as usize]; peers.len()],
             regions,
+            bitmap_bytes,
             dirty_pages: BTreeSet::new(),
             recovered_extents: 0,
         };
@@ -237,14 +253,19 @@ impl Metadata {
         }
         let (al_seq, al_extents) = al.unwrap_or_default();
         let regions = superblock.size.div_ceil(REGION_SIZE);
+        let bitmap_bytes = bitmap_bytes(regions);
         let words = regions.div_ceil(64) as usize;
-        let mut raw = vec![0u8; words * 8];
-        file.read_exact_at(&mut raw, BITMAP_OFFSET)
-            .map_err(io_err(path, "reading the bitmap"))?;
-        let bitmap = raw
-            .chunks_exact(8)
-            .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
-            .collect();
+        let mut bitmaps = Vec::new();
+        for peer in 0..superblock.peers.len() as u64 {
+            let mut raw = vec![0u8; words * 8];
+            file.read_exact_at(&mut raw, BITMAP_OFFSET + peer * bitmap_bytes)
+                .map_err(io_err(path, "reading the bitmap"))?;
+            bitmaps.push(
+                raw.chunks_exact(8)
+                    .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
+                    .collect(),
+            );
+        }
         let was_clean = superblock.clean;
         let mut metadata = Metadata {
             file,
@@ -254,15 +275,16 @@ impl Metadata {
             al_refs: vec![0; al_extents.len()],
             al_extents,
             al_seq,
-            bitmap,
+            bitmaps,
             regions,
+            bitmap_bytes,
             dirty_pages: BTreeSet::new(),
             recovered_extents: 0,
         };
         if !was_clean {
             let extents = metadata.al_extents.clone();
             for extent in &extents {
-                metadata.mark_out_of_sync(extent * EXTENT_SIZE, EXTENT_SIZE);
+                metadata.mark_out_of_sync_for_all(extent * EXTENT_SIZE, EXTENT_SIZE);
             }
             metadata.recovered_extents = extents.len();
             metadata.flush_bitmap()?;
@@ -402,39 +424,110 @@ impl Metadata {
         self.regions
     }
 
-    /// Marks every region a byte range touches as out of sync (in memory; durable at the
-    /// latest when its extent leaves the activity log or at [`Metadata::flush_bitmap`]).
-    pub fn mark_out_of_sync(&mut self, offset: u64, length: u64) {
+    /// Number of peers (bitmaps).
+    pub fn peer_count(&self) -> usize {
+        self.bitmaps.len()
+    }
+
+    /// Marks every region a byte range touches as missed by `peer` (in memory; durable
+    /// at the latest when its extent leaves the activity log or at
+    /// [`Metadata::flush_bitmap`]).
+    pub fn mark_out_of_sync(&mut self, peer: usize, offset: u64, length: u64) {
         if length == 0 || offset >= self.superblock.size {
             return;
         }
         let end = (offset + length).min(self.superblock.size);
         for region in offset / REGION_SIZE..end.div_ceil(REGION_SIZE) {
-            self.set_bit(region, true);
+            self.set_bit(peer, region, true);
         }
     }
 
-    /// Marks every region of the device out of sync (a full resync).
-    pub fn mark_all_out_of_sync(&mut self) {
+    /// Marks a byte range as missed by every peer.
+    pub fn mark_out_of_sync_for_all(&mut self, offset: u64, length: u64) {
+        for peer in 0..self.peer_count() {
+            self.mark_out_of_sync(peer, offset, length);
+        }
+    }
+
+    /// Marks every region of the device as missed by `peer` (a full resync).
+    pub fn mark_all_out_of_sync(&mut self, peer: usize) {
         for region in 0..self.regions {
-            self.set_bit(region, true);
+            self.set_bit(peer, region, true);
         }
     }
 
-    /// Marks every region in sync (this node now equals its resync source).
+    /// Clears every bitmap (this node now equals its resync source).
     pub fn mark_all_in_sync(&mut self) {
-        for region in 0..self.regions {
-            self.set_bit(region, false);
+        for peer in 0..self.peer_count() {
+            for region in 0..self.regions {
+                self.set_bit(peer, region, false);
+            }
         }
     }
 
-    /// Runs of out-of-sync bytes as (offset, length), in order.
+    /// Marks one region in sync with `peer`.
+    pub fn mark_in_sync(&mut self, peer: usize, region: u64) {
+        self.set_bit(peer, region, false);
+    }
+
+    pub fn is_out_of_sync(&self, peer: usize, region: u64) -> bool {
+        region < self.regions
+            && self.bitmaps[peer][(region / 64) as usize] & (1 << (region % 64)) != 0
+    }
+
+    /// Whether any peer misses the region.
+    fn is_out_of_sync_for_any(&self, region: u64) -> bool {
+        (0..self.peer_count()).any(|peer| self.is_out_of_sync(peer, region))
+    }
+
+    /// The first region at or after `from` that `peer` misses.
+    pub fn next_out_of_sync(&self, peer: usize, from: u64) -> Option<u64> {
+        (from..self.regions).find(|&r| self.is_out_of_sync(peer, r))
+    }
+
+    /// Regions `peer` misses.
+    pub fn out_of_sync_regions(&self, peer: usize) -> u64 {
+        self.bitmaps[peer]
+            .iter()
+            .map(|w| u64::from(w.count_ones()))
+            .sum()
+    }
+
+    /// Bytes `peer` misses (the last region may be partial).
+    pub fn out_of_sync_bytes(&self, peer: usize) -> u64 {
+        self.bytes_of(
+            self.out_of_sync_regions(peer),
+            self.is_out_of_sync(peer, self.regions - 1),
+        )
+    }
+
+    /// Bytes some peer misses.
+    pub fn out_of_sync_bytes_for_any(&self) -> u64 {
+        let regions = (0..self.regions.div_ceil(64) as usize)
+            .map(|w| {
+                let word = self.bitmaps.iter().fold(0, |acc, b| acc | b[w]);
+                u64::from(word.count_ones())
+            })
+            .sum();
+        self.bytes_of(regions, self.is_out_of_sync_for_any(self.regions - 1))
+    }
+
+    fn bytes_of(&self, regions: u64, last_is_set: bool) -> u64 {
+        let mut bytes = regions * REGION_SIZE;
+        let tail = self.superblock.size % REGION_SIZE;
+        if tail != 0 && last_is_set {
+            bytes -= REGION_SIZE - tail;
+        }
+        bytes
+    }
+
+    /// Runs of bytes some peer misses, as (offset, length), in order.
     pub fn out_of_sync_runs(&self) -> Vec<(u64, u64)> {
         let mut runs: Vec<(u64, u64)> = Vec::new();
         let mut region = 0;
-        while let Some(first) = self.next_out_of_sync(region) {
+        while let Some(first) = (region..self.regions).find(|&r| self.is_out_of_sync_for_any(r)) {
             let mut end = first + 1;
-            while end < self.regions && self.is_out_of_sync(end) {
+            while end < self.regions && self.is_out_of_sync_for_any(end) {
                 end += 1;
             }
             let offset = first * REGION_SIZE;
@@ -445,64 +538,40 @@ impl Metadata {
         runs
     }
 
-    /// Marks one region in sync.
-    pub fn mark_in_sync(&mut self, region: u64) {
-        self.set_bit(region, false);
-    }
-
-    pub fn is_out_of_sync(&self, region: u64) -> bool {
-        region < self.regions && self.bitmap[(region / 64) as usize] & (1 << (region % 64)) != 0
-    }
-
-    /// The first out-of-sync region at or after `from`.
-    pub fn next_out_of_sync(&self, from: u64) -> Option<u64> {
-        (from..self.regions).find(|&r| self.is_out_of_sync(r))
-    }
-
-    /// Out-of-sync regions.
-    pub fn out_of_sync_regions(&self) -> u64 {
-        self.bitmap.iter().map(|w| u64::from(w.count_ones())).sum()
-    }
-
-    /// Out-of-sync bytes (the last region may be partial).
-    pub fn out_of_sync_bytes(&self) -> u64 {
-        let regions = self.out_of_sync_regions();
-        let mut bytes = regions * REGION_SIZE;
-        let tail = self.superblock.size % REGION_SIZE;
-        if tail != 0 && self.is_out_of_sync(self.regions - 1) {
-            bytes -= REGION_SIZE - tail;
-        }
-        bytes
-    }
-
-    fn set_bit(&mut self, region: u64, value: bool) {
+    fn set_bit(&mut self, peer: usize, region: u64, value: bool) {
         let word = (region / 64) as usize;
         let mask = 1u64 << (region % 64);
-        let old = self.bitmap[word];
-        self.bitmap[word] = if value { old | mask } else { old & !mask };
-        if self.bitmap[word] != old {
-            self.dirty_pages.insert(word as u64 * 8 / BITMAP_PAGE);
+        let bitmap = &mut self.bitmaps[peer];
+        let old = bitmap[word];
+        bitmap[word] = if value { old | mask } else { old & !mask };
+        if bitmap[word] != old {
+            self.dirty_pages
+                .insert((peer, word as u64 * 8 / BITMAP_PAGE));
         }
     }
 
-    fn write_bitmap_page(&mut self, page: u64) -> Result<(), MetaError> {
+    fn write_bitmap_page(&mut self, peer: usize, page: u64) -> Result<(), MetaError> {
         let words_per_page = (BITMAP_PAGE / 8) as usize;
+        let bitmap = &self.bitmaps[peer];
         let first = page as usize * words_per_page;
-        let last = (first + words_per_page).min(self.bitmap.len());
-        let bytes: Vec<u8> = self.bitmap[first..last]
+        let last = (first + words_per_page).min(bitmap.len());
+        let bytes: Vec<u8> = bitmap[first..last]
             .iter()
             .flat_map(|w| w.to_le_bytes())
             .collect();
+        let offset = BITMAP_OFFSET + peer as u64 * self.bitmap_bytes + page * BITMAP_PAGE;
         self.file
-            .write_all_at(&bytes, BITMAP_OFFSET + page * BITMAP_PAGE)
+            .write_all_at(&bytes, offset)
             .map_err(io_err(&self.path, "writing the bitmap"))
     }
 
     fn flush_bitmap_extent(&mut self, extent: u64) -> Result<(), MetaError> {
         let word = extent * REGIONS_PER_EXTENT / 64;
         let page = word * 8 / BITMAP_PAGE;
-        if self.dirty_pages.remove(&page) {
-            self.write_bitmap_page(page)?;
+        for peer in 0..self.peer_count() {
+            if self.dirty_pages.remove(&(peer, page)) {
+                self.write_bitmap_page(peer, page)?;
+            }
         }
         Ok(())
     }
@@ -510,8 +579,8 @@ impl Metadata {
     /// Writes every changed bitmap page and fdatasyncs.
     pub fn flush_bitmap(&mut self) -> Result<(), MetaError> {
         let pages = std::mem::take(&mut self.dirty_pages);
-        for page in pages {
-            self.write_bitmap_page(page)?;
+        for (peer, page) in pages {
+            self.write_bitmap_page(peer, page)?;
         }
         self.sync()
     }
@@ -519,6 +588,11 @@ impl Metadata {
     fn sync(&self) -> Result<(), MetaError> {
         self.file.sync_data().map_err(io_err(&self.path, "syncing"))
     }
+}
+
+/// Bytes of one peer's bitmap on disk: a bit per region, whole pages.
+fn bitmap_bytes(regions: u64) -> u64 {
+    regions.div_ceil(8).next_multiple_of(BITMAP_PAGE)
 }
 
 /// Wraps an I/O error with the metadata path and what was being done.
@@ -580,7 +654,8 @@ fn encode_superblock(seq: u64, sb: &Superblock) -> Vec<u8> {
     ] {
         body.extend_from_slice(&g.to_be_bytes());
     }
-    for text in [&sb.node, &sb.resource] {
+    body.push(sb.peers.len() as u8);
+    for text in [&sb.node, &sb.resource].into_iter().chain(&sb.peers) {
         body.extend_from_slice(&(text.len() as u16).to_be_bytes());
         body.extend_from_slice(text.as_bytes());
     }
@@ -621,17 +696,22 @@ fn decode_superblock(record: &[u8]) -> Option<(u64, Superblock)> {
         bitmap: u64_of(take(8)?),
         history: [u64_of(take(8)?), u64_of(take(8)?)],
     };
+    let peer_count = usize::from(*take(1)?.first()?);
     let mut text = || -> Option<String> {
         let n = usize::from(u16::from_be_bytes(take(2)?.try_into().ok()?));
         String::from_utf8(take(n)?.to_vec()).ok()
     };
     let node = text()?;
     let resource = text()?;
+    let peers = (0..peer_count)
+        .map(|_| text())
+        .collect::<Option<Vec<_>>>()?;
     Some((
         seq,
         Superblock {
             node,
             resource,
+            peers,
             size,
             generations,
             primary: flags & flag::PRIMARY != 0,
@@ -675,9 +755,13 @@ mod tests {
 
     const SIZE: u64 = 1 << 30;
 
+    fn peers() -> Vec<String> {
+        vec!["beta".into(), "gamma".into()]
+    }
+
     fn fresh(dir: &tempfile::TempDir) -> (PathBuf, Metadata) {
         let path = dir.path().join("node.meta");
-        let metadata = Metadata::open_or_create(&path, "alpha", "r0", SIZE).unwrap();
+        let metadata = Metadata::open_or_create(&path, "alpha", "r0", &peers(), SIZE).unwrap();
         (path, metadata)
     }
 
@@ -689,7 +773,7 @@ mod tests {
             metadata.superblock().generations,
             Generations::just_created()
         );
-        assert_eq!(metadata.out_of_sync_bytes(), 0);
+        assert_eq!(metadata.out_of_sync_bytes(0), 0);
         metadata
             .update(|sb| {
                 sb.generations.current = 99;
@@ -697,16 +781,16 @@ mod tests {
                 sb.disk = DiskState::UpToDate;
             })
             .unwrap();
-        metadata.mark_out_of_sync(REGION_SIZE * 3 + 1, 10);
+        metadata.mark_out_of_sync(0, REGION_SIZE * 3 + 1, 10);
         metadata.set_clean(true).unwrap();
         drop(metadata);
-        let metadata = Metadata::open_or_create(&path, "alpha", "r0", SIZE).unwrap();
+        let metadata = Metadata::open_or_create(&path, "alpha", "r0", &peers(), SIZE).unwrap();
         let sb = metadata.superblock();
         assert_eq!(sb.generations.current, 99);
         assert!(sb.primary && sb.clean);
         assert_eq!(sb.disk, DiskState::UpToDate);
-        assert!(metadata.is_out_of_sync(3));
-        assert_eq!(metadata.out_of_sync_regions(), 1);
+        assert!(metadata.is_out_of_sync(0, 3));
+        assert_eq!(metadata.out_of_sync_regions(0), 1);
         assert_eq!(metadata.recovered_extents(), 0);
     }
 
@@ -715,11 +799,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (path, metadata) = fresh(&dir);
         drop(metadata);
-        let e = Metadata::open_or_create(&path, "beta", "r0", SIZE).unwrap_err();
+        let e = Metadata::open_or_create(&path, "beta", "r0", &peers(), SIZE).unwrap_err();
         assert!(e.to_string().contains("\"alpha\""), "{e}");
-        let e = Metadata::open_or_create(&path, "alpha", "r1", SIZE).unwrap_err();
+        let e = Metadata::open_or_create(&path, "alpha", "r1", &peers(), SIZE).unwrap_err();
         assert!(e.to_string().contains("resource"), "{e}");
-        let e = Metadata::open_or_create(&path, "alpha", "r0", SIZE * 2).unwrap_err();
+        let e = Metadata::open_or_create(&path, "alpha", "r0", &peers(), SIZE * 2).unwrap_err();
         assert!(matches!(e, MetaError::WrongSize { .. }), "{e}");
         std::fs::write(dir.path().join("junk"), vec![7u8; 100_000]).unwrap();
         let e = Metadata::open(&dir.path().join("junk")).unwrap_err();
@@ -771,13 +855,13 @@ mod tests {
         let metadata = Metadata::open(&path).unwrap();
         assert_eq!(metadata.recovered_extents(), 3);
         assert_eq!(
-            metadata.out_of_sync_bytes(),
+            metadata.out_of_sync_bytes(0),
             3 * EXTENT_SIZE,
             "exactly the logged extents, not the whole device"
         );
-        assert!(metadata.is_out_of_sync(0));
-        assert!(!metadata.is_out_of_sync(REGIONS_PER_EXTENT));
-        assert!(metadata.is_out_of_sync(2 * REGIONS_PER_EXTENT));
+        assert!(metadata.is_out_of_sync(0, 0));
+        assert!(!metadata.is_out_of_sync(0, REGIONS_PER_EXTENT));
+        assert!(metadata.is_out_of_sync(0, 2 * REGIONS_PER_EXTENT));
     }
 
     #[test]
@@ -798,7 +882,7 @@ mod tests {
         file.write_all_at(&[0xff; 8], offset + 24).unwrap();
         let metadata = Metadata::open(&path).unwrap();
         assert_eq!(metadata.logged_extents(), &[0]);
-        assert_eq!(metadata.out_of_sync_bytes(), EXTENT_SIZE);
+        assert_eq!(metadata.out_of_sync_bytes(0), EXTENT_SIZE);
     }
 
     #[test]
@@ -809,7 +893,7 @@ mod tests {
         // A degraded write to extent 0: the bit is set only in memory.
         let first = Metadata::extents_of(0, 4096);
         metadata.activate(first.clone()).unwrap();
-        metadata.mark_out_of_sync(0, 4096);
+        metadata.mark_out_of_sync(0, 0, 4096);
         metadata.release(first);
         // Fill the log until extent 0 is evicted.
         for extent in 1..=AL_SLOTS as u64 {
@@ -821,7 +905,7 @@ mod tests {
         drop(metadata);
         let metadata = Metadata::open(&path).unwrap();
         assert!(
-            metadata.is_out_of_sync(0),
+            metadata.is_out_of_sync(0, 0),
             "the evicted extent's bit was made durable"
         );
         assert_eq!(metadata.recovered_extents(), AL_SLOTS);
@@ -853,22 +937,60 @@ mod tests {
     }
 
     #[test]
+    fn each_peer_has_its_own_bitmap_and_a_crash_marks_all_of_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, mut metadata) = fresh(&dir);
+        assert_eq!(metadata.peer_count(), 2);
+        metadata.set_clean(false).unwrap();
+        // Gamma is away for one write, beta for another.
+        metadata.mark_out_of_sync(1, 0, 4096);
+        metadata.mark_out_of_sync(0, 10 * EXTENT_SIZE, 4096);
+        assert_eq!(metadata.out_of_sync_bytes(0), REGION_SIZE);
+        assert_eq!(metadata.out_of_sync_bytes(1), REGION_SIZE);
+        assert_eq!(metadata.out_of_sync_bytes_for_any(), 2 * REGION_SIZE);
+        assert_eq!(
+            metadata.out_of_sync_runs(),
+            [(0, REGION_SIZE), (10 * EXTENT_SIZE, REGION_SIZE)]
+        );
+        // Resyncing beta clears only beta's bits.
+        metadata.mark_in_sync(0, 10 * EXTENT_SIZE / REGION_SIZE);
+        assert_eq!(metadata.out_of_sync_bytes(0), 0);
+        assert_eq!(metadata.out_of_sync_bytes(1), REGION_SIZE);
+        let hot = Metadata::extents_of(EXTENT_SIZE, 1);
+        metadata.activate(hot).unwrap();
+        metadata.flush_bitmap().unwrap();
+        drop(metadata);
+        // After a crash, the logged extent is missed by both peers; gamma's bit stayed.
+        let metadata = Metadata::open(&path).unwrap();
+        assert_eq!(metadata.out_of_sync_bytes(0), EXTENT_SIZE);
+        assert_eq!(metadata.out_of_sync_bytes(1), EXTENT_SIZE + REGION_SIZE);
+        drop(metadata);
+        let e = Metadata::open_or_create(&path, "alpha", "r0", &["beta".into()], SIZE).unwrap_err();
+        assert!(e.to_string().contains("peers"), "{e}");
+    }
+
+    #[test]
     fn bitmap_counts_and_partial_last_region() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("small.meta");
         let size = 3 * REGION_SIZE + 512;
-        let mut metadata = Metadata::create(&path, "a", "r", size).unwrap();
+        let mut metadata = Metadata::create(&path, "a", "r", &peers(), size).unwrap();
         assert_eq!(metadata.regions(), 4);
-        metadata.mark_all_out_of_sync();
-        assert_eq!(metadata.out_of_sync_bytes(), size);
-        metadata.mark_in_sync(1);
-        assert_eq!(metadata.next_out_of_sync(1), Some(2));
-        assert_eq!(metadata.out_of_sync_regions(), 3);
-        metadata.mark_out_of_sync(size, 100);
-        assert_eq!(metadata.out_of_sync_regions(), 3);
+        metadata.mark_all_out_of_sync(0);
+        assert_eq!(metadata.out_of_sync_bytes(0), size);
+        metadata.mark_in_sync(0, 1);
+        assert_eq!(metadata.next_out_of_sync(0, 1), Some(2));
+        assert_eq!(metadata.out_of_sync_regions(0), 3);
+        metadata.mark_out_of_sync(0, size, 100);
+        assert_eq!(metadata.out_of_sync_regions(0), 3);
         assert_eq!(
             metadata.out_of_sync_runs(),
             [(0, REGION_SIZE), (2 * REGION_SIZE, REGION_SIZE + 512)]
+        );
+        assert_eq!(
+            metadata.out_of_sync_bytes(1),
+            0,
+            "the other peer misses nothing"
         );
         metadata.mark_all_in_sync();
         assert_eq!(metadata.out_of_sync_runs(), []);

@@ -24,8 +24,8 @@
 //!   out-of-sync bitmap, and the primary starts a new data generation.
 //! - **Generations** ([`generation`]): DRBD's UUID scheme, compared at every connect to
 //!   pick the resync direction or detect split brain.
-//! - **Metadata** ([`meta`]): a bit per 64 KiB region (a 1 TiB device needs 2 MiB of
-//!   bitmap; one random 4 KiB write marks 64 KiB for resync) and an activity log of 64
+//! - **Metadata** ([`meta`]): per peer, a bit per 64 KiB region (a 1 TiB device needs
+//!   2 MiB of bitmap per peer; one random 4 KiB write marks 64 KiB for resync) and an activity log of 64
 //!   extents of 4 MiB, fdatasynced before a write to a new extent is submitted, so after
 //!   a crash at most 256 MiB plus the bitmap needs resync, never the whole device and
 //!   never less than what may differ.

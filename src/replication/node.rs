@@ -44,8 +44,9 @@ impl Node {
         let size = backend.size();
         let (path, node, resource_name) =
             (me.metadata.clone(), name.to_string(), resource.name.clone());
+        let peers: Vec<String> = resource.peers_of(name).map(|n| n.name.clone()).collect();
         let meta = tokio::task::spawn_blocking(move || {
-            Metadata::open_or_create(&path, &node, &resource_name, size)
+            Metadata::open_or_create(&path, &node, &resource_name, &peers, size)
         })
         .await
         .context("metadata task")??;

@@ -808,7 +808,10 @@ async fn handle<'a>(
                     conn.peer
                 ));
             }
-            shared.meta().mark_out_of_sync(offset, length);
+            let slot = shared
+                .slot_named(&conn.peer)
+                .expect("a connected peer has a slot");
+            shared.meta().mark_out_of_sync(slot.index, offset, length);
         }
         Message::OutOfSyncDone => {
             conn.peer_bitmap_done.send_replace(true);

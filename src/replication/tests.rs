@@ -110,7 +110,8 @@ async fn cluster(
     let resource = ResourceConfig::parse(&text, "test").unwrap();
     let open = |name: &str, local: Arc<dyn Backend>| {
         let path = dir.path().join(format!("{name}.meta"));
-        let meta = Metadata::open_or_create(&path, name, "t", SIZE).unwrap();
+        let peers: Vec<String> = resource.peers_of(name).map(|n| n.name.clone()).collect();
+        let meta = Metadata::open_or_create(&path, name, "t", &peers, SIZE).unwrap();
         Shared::new(local, resource.clone(), name, meta).unwrap()
     };
     let primary = open("alpha", primary_local);
@@ -348,11 +349,16 @@ async fn a_connected_peer_takes_the_new_generation_when_another_is_away() {
         after.generation, before,
         "a new generation for gamma's absence"
     );
-    // Gamma was never synced: with one bitmap for all peers, beta's first (full)
-    // resync could not clear a bit gamma still needs.
+    // Per-peer bitmaps: gamma misses the one region written, beta (resynced) nothing.
+    assert_eq!(after.out_of_sync_bytes, 65536);
+    let missed: Vec<(String, u64)> = after
+        .peers
+        .iter()
+        .map(|p| (p.name.clone(), p.out_of_sync_bytes))
+        .collect();
     assert_eq!(
-        after.out_of_sync_bytes, SIZE,
-        "everything stays marked for gamma"
+        missed,
+        [("beta".to_string(), 0), ("gamma".to_string(), 65536)]
     );
     tokio::time::timeout(Duration::from_secs(5), async {
         while pair.secondary.status().generation != after.generation {

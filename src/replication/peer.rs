@@ -586,6 +586,15 @@ async fn handle<'a>(
     message: Message,
 ) -> Result<(), String> {
     let size = local.size();
+    // Under protocol C a write reaches the secondary only after every write the client
+    // saw completed was acked here, so concurrent writes may be applied in any order.
+    // Under A and B the primary does not wait for that: apply in the order sent, or a
+    // secondary could hold a later write without an earlier, acknowledged one.
+    let in_order = shared.resource.protocol != Protocol::C
+        && matches!(
+            message,
+            Message::Write { .. } | Message::Trim { .. } | Message::Zero { .. }
+        );
     let must_be_target = |what: &str| {
         if conn.plan == Plan::Target && !shared.is_primary() {
             Ok(())
@@ -826,6 +835,13 @@ async fn handle<'a>(
         | Message::ChecksumReply { id, .. } => conn.deliver(WaitKey::Request(id), message),
         Message::Refuse { reason } => return Err(format!("refused by the peer: {reason}")),
         Message::Hello(_) => return Err("a second hello".into()),
+    }
+    if in_order {
+        while let Some(reply) = applying.next().await {
+            if let Ok(reply) = reply {
+                conn.send(reply);
+            }
+        }
     }
     Ok(())
 }

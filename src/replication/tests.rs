@@ -71,6 +71,12 @@ impl Backend for BadSector {
     }
 }
 
+thread_local! {
+    /// A backend for the next cluster's first secondary instead of a memory backend.
+    static SECONDARY_LOCAL: std::cell::RefCell<Option<Arc<dyn Backend>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
 struct Pair {
     primary: Arc<Shared>,
     secondary: Arc<Shared>,
@@ -115,9 +121,15 @@ async fn cluster(
         Shared::new(local, resource.clone(), name, meta).unwrap()
     };
     let primary = open("alpha", primary_local);
+    let secondary_locals = std::iter::repeat_with(|| {
+        SECONDARY_LOCAL
+            .with(|next| next.borrow_mut().take())
+            .unwrap_or_else(|| Arc::new(MemoryBackend::new(SIZE, false)))
+    });
     let secondaries: Vec<Arc<Shared>> = names[1..running]
         .iter()
-        .map(|name| open(name, Arc::new(MemoryBackend::new(SIZE, false))))
+        .zip(secondary_locals)
+        .map(|(name, local)| open(name, local))
         .collect();
     primary.promote(false).unwrap();
     let (stop, stop_rx) = watch::channel(false);
@@ -390,5 +402,75 @@ async fn the_layer_also_runs_on_a_current_thread_runtime() {
     backend.flush().await.unwrap();
     let theirs = pair.secondary.local.read(5 << 20, 8192).await.unwrap().data;
     assert_eq!(theirs, pattern(6, 8192));
+    let _ = pair.stop.send(true);
+}
+
+/// A memory backend that records the order in which writes complete, and makes a write
+/// at offset 0 slow.
+struct OrderRecorder {
+    inner: MemoryBackend,
+    completed: std::sync::Mutex<Vec<u64>>,
+}
+
+impl Backend for OrderRecorder {
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+    fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
+        self.inner.read(offset, length)
+    }
+    fn write(&self, offset: u64, data: Bytes, fua: bool) -> BackendFuture<'_, ()> {
+        Box::pin(async move {
+            if offset == 0 {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            let result = self.inner.write(offset, data, fua).await;
+            self.completed.lock().unwrap().push(offset);
+            result
+        })
+    }
+    fn flush(&self) -> BackendFuture<'_, ()> {
+        self.inner.flush()
+    }
+    fn trim(&self, offset: u64, length: u64, fua: bool) -> BackendFuture<'_, ()> {
+        self.inner.trim(offset, length, fua)
+    }
+    fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> BackendFuture<'_, ()> {
+        self.inner.write_zeroes(offset, length, flags)
+    }
+    fn cache(&self, offset: u64, length: u64) -> BackendFuture<'_, ()> {
+        self.inner.cache(offset, length)
+    }
+    fn extents(&self, offset: u64, length: u64) -> BackendFuture<'_, Vec<Extent>> {
+        self.inner.extents(offset, length)
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn under_protocol_a_a_secondary_applies_writes_in_the_order_sent() {
+    // The primary acknowledges the first write at once (protocol A), so the client may
+    // issue the second before the secondary applied the first: the secondary must still
+    // apply them in that order, even though the first is slow there.
+    let recorder = Arc::new(OrderRecorder {
+        inner: MemoryBackend::new(SIZE, false),
+        completed: std::sync::Mutex::new(Vec::new()),
+    });
+    SECONDARY_LOCAL
+        .with(|next| *next.borrow_mut() = Some(Arc::clone(&recorder) as Arc<dyn Backend>));
+    let pair = cluster("A", 2, Arc::new(MemoryBackend::new(SIZE, false)), "1G", 2).await;
+    let backend = ReplicatedBackend {
+        shared: Arc::clone(&pair.primary),
+    };
+    recorder.completed.lock().unwrap().clear();
+    backend.write(0, pattern(1, 4096), false).await.unwrap();
+    backend
+        .write(1 << 20, pattern(2, 4096), false)
+        .await
+        .unwrap();
+    backend.flush().await.unwrap();
+    assert_eq!(*recorder.completed.lock().unwrap(), [0, 1 << 20]);
     let _ = pair.stop.send(true);
 }

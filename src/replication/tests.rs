@@ -71,12 +71,6 @@ impl Backend for BadSector {
     }
 }
 
-thread_local! {
-    /// A backend for the next cluster's first secondary instead of a memory backend.
-    static SECONDARY_LOCAL: std::cell::RefCell<Option<Arc<dyn Backend>>> =
-        const { std::cell::RefCell::new(None) };
-}
-
 struct Pair {
     primary: Arc<Shared>,
     secondary: Arc<Shared>,
@@ -87,16 +81,18 @@ struct Pair {
 }
 
 async fn pair(protocol: &str, primary_local: Arc<dyn Backend>) -> Pair {
-    cluster(protocol, 2, primary_local, "1G", 2).await
+    cluster(protocol, 2, primary_local, "1G", 2, None).await
 }
 
-/// `nodes` nodes (2 or 3); the first is primary with `primary_local` as its backend.
+/// `nodes` nodes (2 or 3) of which the first `running` start; the first is primary with
+/// `primary_local` as its backend, the next gets `first_secondary_local` if given.
 async fn cluster(
     protocol: &str,
     nodes: usize,
     primary_local: Arc<dyn Backend>,
     resync_rate: &str,
     running: usize,
+    first_secondary_local: Option<Arc<dyn Backend>>,
 ) -> Pair {
     let dir = tempfile::tempdir().unwrap();
     let mut listeners = Vec::new();
@@ -121,9 +117,10 @@ async fn cluster(
         Shared::new(local, resource.clone(), name, meta).unwrap()
     };
     let primary = open("alpha", primary_local);
+    let mut first_secondary_local = first_secondary_local;
     let secondary_locals = std::iter::repeat_with(|| {
-        SECONDARY_LOCAL
-            .with(|next| next.borrow_mut().take())
+        first_secondary_local
+            .take()
             .unwrap_or_else(|| Arc::new(MemoryBackend::new(SIZE, false)))
     });
     let secondaries: Vec<Arc<Shared>> = names[1..running]
@@ -256,7 +253,15 @@ async fn a_secondary_refuses_client_writes_and_exports_read_only() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_nodes_all_hold_every_write_and_secondaries_link_idle() {
-    let trio = cluster("C", 3, Arc::new(MemoryBackend::new(SIZE, false)), "1G", 3).await;
+    let trio = cluster(
+        "C",
+        3,
+        Arc::new(MemoryBackend::new(SIZE, false)),
+        "1G",
+        3,
+        None,
+    )
+    .await;
     let backend = ReplicatedBackend {
         shared: Arc::clone(&trio.primary),
     };
@@ -316,7 +321,7 @@ async fn the_first_full_resync_sends_only_differing_regions_at_the_configured_ra
         .await
         .unwrap();
     let started = std::time::Instant::now();
-    let pair = cluster("C", 2, local, "4M", 2).await;
+    let pair = cluster("C", 2, local, "4M", 2, None).await;
     let elapsed = started.elapsed();
     assert!(
         elapsed >= Duration::from_millis(450),
@@ -349,7 +354,15 @@ async fn a_connected_peer_takes_the_new_generation_when_another_is_away() {
     // Three nodes, gamma never starts: the first write opens a new generation, which beta
     // (connected, in sync) must share, or a failover to beta would later look like a
     // split brain to alpha.
-    let pair = cluster("C", 3, Arc::new(MemoryBackend::new(SIZE, false)), "1G", 2).await;
+    let pair = cluster(
+        "C",
+        3,
+        Arc::new(MemoryBackend::new(SIZE, false)),
+        "1G",
+        2,
+        None,
+    )
+    .await;
     let before = pair.primary.status().generation;
     let backend = ReplicatedBackend {
         shared: Arc::clone(&pair.primary),
@@ -458,9 +471,15 @@ async fn under_protocol_a_a_secondary_applies_writes_in_the_order_sent() {
         inner: MemoryBackend::new(SIZE, false),
         completed: std::sync::Mutex::new(Vec::new()),
     });
-    SECONDARY_LOCAL
-        .with(|next| *next.borrow_mut() = Some(Arc::clone(&recorder) as Arc<dyn Backend>));
-    let pair = cluster("A", 2, Arc::new(MemoryBackend::new(SIZE, false)), "1G", 2).await;
+    let pair = cluster(
+        "A",
+        2,
+        Arc::new(MemoryBackend::new(SIZE, false)),
+        "1G",
+        2,
+        Some(Arc::clone(&recorder) as Arc<dyn Backend>),
+    )
+    .await;
     let backend = ReplicatedBackend {
         shared: Arc::clone(&pair.primary),
     };

@@ -43,7 +43,7 @@ failed=$(grep -Eo '[0-9]+ failed;' "$test_log" | awk '{s+=$1} END {print s+0}')
 if [ "$fuzz_seconds" -gt 0 ]; then
   if rustup toolchain list 2>/dev/null | grep -q '^nightly'; then
     command -v cargo-fuzz >/dev/null || cargo install --locked cargo-fuzz
-    for target in handshake requests; do
+    for target in handshake requests peer; do
       echo "== fuzz $target for ${fuzz_seconds}s"
       scratch=$(mktemp -d)
       (cd fuzz && cargo +nightly fuzz run -O "$target" "$scratch" "corpus/$target" -- \

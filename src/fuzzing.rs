@@ -1,9 +1,9 @@
 //! Entry points for the fuzz targets in `fuzz/`, kept in the library so the committed
 //! corpus is also replayed by an ordinary `cargo test` on stable Rust.
 //!
-//! Each entry point runs the real connection code (handshake and transmission) against a
-//! small memory export, over an in-memory pipe whose client side sends the input bytes and
-//! then closes.
+//! `handshake` and `requests` run the real connection code (handshake and transmission)
+//! against a small memory export, over an in-memory pipe whose client side sends the input
+//! bytes and then closes; `peer` runs the replication protocol decoder.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -91,7 +91,21 @@ pub fn requests(data: &[u8]) {
     run_connection(input);
 }
 
-/// Seed inputs for both targets, built with the library's own codec: (target, name, bytes).
+/// Decodes arbitrary bytes as a stream of replication frames (the `peer` target); every
+/// message that decodes must encode back to a frame that decodes to the same message.
+pub fn peer(data: &[u8]) {
+    use crate::replication::wire::Message;
+    let mut buf = bytes::BytesMut::from(data);
+    while let Ok(Some(message)) = Message::decode(&mut buf) {
+        let mut again = bytes::BytesMut::new();
+        message.encode(&mut again);
+        let decoded = Message::decode(&mut again).expect("re-encoded frame decodes");
+        assert_eq!(decoded, Some(message), "re-encoding changed the message");
+        assert!(again.is_empty(), "re-encoding left bytes behind");
+    }
+}
+
+/// Seed inputs for the targets, built with the library's own codec: (target, name, bytes).
 /// `NETBLK_WRITE_CORPUS=1 cargo test seed_corpus` writes them under `fuzz/corpus`.
 pub fn seed_corpus() -> Vec<(&'static str, String, Vec<u8>)> {
     use crate::wire::transmission::{RequestHeader, RequestStyle};
@@ -234,6 +248,14 @@ pub fn seed_corpus() -> Vec<(&'static str, String, Vec<u8>)> {
         stream.extend(request(cmd::DISC, 0, 12, 0, 0));
         seeds.push(("requests", format!("session-mode{mode}"), stream));
     }
+    let mut all_kinds = bytes::BytesMut::new();
+    for message in crate::replication::wire::example_messages() {
+        let mut one = bytes::BytesMut::new();
+        message.encode(&mut one);
+        seeds.push(("peer", format!("peer-{}", message.name()), one.to_vec()));
+        message.encode(&mut all_kinds);
+    }
+    seeds.push(("peer", "peer-all-kinds".into(), all_kinds.to_vec()));
     seeds
 }
 
@@ -282,6 +304,18 @@ mod tests {
         );
         for input in inputs {
             handshake(&input);
+        }
+    }
+
+    #[test]
+    fn peer_corpus_replays_without_panics() {
+        let inputs = corpus("peer");
+        assert!(
+            !inputs.is_empty(),
+            "the peer corpus is committed under fuzz/corpus"
+        );
+        for input in inputs {
+            peer(&input);
         }
     }
 

@@ -9,6 +9,8 @@
 //! - [`backend`]: the [`backend::Backend`] trait every export goes through, with the
 //!   sparse [`backend::memory`] and the [`backend::file`] (file or block device) engines.
 //! - [`config`]: the TOML file for several exports; [`listen`]: listen addresses.
+//! - [`replication`]: replication of an export across nodes (a backend layer), its
+//!   resource file, peer protocol and crash-safe metadata.
 //! - [`buffer`]: the pool of large I/O buffers (no allocation per request on the hot path).
 //! - [`size`]: `512K`/`1G`-style sizes; [`fuzzing`]: entry points for the fuzz targets.
 //!
@@ -22,6 +24,7 @@ pub mod buffer;
 pub mod config;
 pub mod fuzzing;
 pub mod listen;
+pub mod replication;
 pub mod server;
 pub mod size;
 pub mod wire;

@@ -37,6 +37,49 @@ enum Commands {
     /// fio --ioengine=nbd --uri=nbd://127.0.0.1:10809 ...
     #[command(verbatim_doc_comment)]
     Serve(ServeArgs),
+    /// Show a replicated node's role, peers, out-of-sync amount and resync progress.
+    /// Example: netblk status --config r0.toml --node alpha --json
+    Status {
+        #[command(flatten)]
+        target: ControlTarget,
+        /// Print the status as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Make a replicated node primary. Refused while a peer is primary, and for a node
+    /// whose data may be older than a peer's unless --force (which starts a new data
+    /// generation: a peer that wrote too is then in split brain).
+    Promote {
+        #[command(flatten)]
+        target: ControlTarget,
+        #[arg(long)]
+        force: bool,
+    },
+    /// Make a replicated primary secondary (after a replicated flush).
+    Demote {
+        #[command(flatten)]
+        target: ControlTarget,
+    },
+    /// Compare the checksum of every region with every peer; regions that differ are
+    /// marked out of sync and resynced.
+    Verify {
+        #[command(flatten)]
+        target: ControlTarget,
+    },
+}
+
+/// Which node a control command talks to.
+#[derive(clap::Args)]
+struct ControlTarget {
+    /// The resource file. Example: --config r0.toml
+    #[arg(long, value_name = "FILE", required_unless_present = "control")]
+    config: Option<PathBuf>,
+    /// The node, as named in the resource file. Example: --node alpha
+    #[arg(long, value_name = "NAME", required_unless_present = "control")]
+    node: Option<String>,
+    /// The node's control socket, instead of --config and --node.
+    #[arg(long, value_name = "PATH", conflicts_with_all = ["config", "node"])]
+    control: Option<PathBuf>,
 }
 
 #[derive(Parser)]
@@ -89,6 +132,16 @@ struct ServeArgs {
     #[arg(long, value_name = "SIZE")]
     max_merge: Option<String>,
 
+    /// With a resource file (--config with a [resource] table): which node this is.
+    /// Example: --config r0.toml --node alpha
+    #[arg(long, value_name = "NAME", requires = "config")]
+    node: Option<String>,
+
+    /// With a resource file: start as the primary (refused if this node's data may be
+    /// older than a peer's).
+    #[arg(long, requires = "node")]
+    primary: bool,
+
     /// Worker threads that serve connections (default: one per CPU). Example: --threads 2
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
     threads: Option<u16>,
@@ -109,6 +162,13 @@ fn main() -> std::process::ExitCode {
         .init();
     let result = match cli.command {
         Commands::Serve(args) => run_serve(args),
+        Commands::Status { target, json } => run_control_command(&target, "status", json),
+        Commands::Promote { target, force } => {
+            let request = if force { "promote --force" } else { "promote" };
+            run_control_command(&target, request, false)
+        }
+        Commands::Demote { target } => run_control_command(&target, "demote", false),
+        Commands::Verify { target } => run_control_command(&target, "verify", false),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -120,6 +180,16 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
+    if let Some(path) = &args.config {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        if netblk::replication::config::is_resource_file(&text) {
+            return run_replicated(&args, path);
+        }
+        if args.node.is_some() {
+            bail!("--node needs a resource file (one with a [resource] table)");
+        }
+    }
     let (exports, mut listen, timeout) = match &args.config {
         Some(path) => {
             let config = Config::load(path)?;
@@ -213,6 +283,68 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         };
         serve(listeners, config, shutdown).await
     })
+}
+
+/// `netblk serve --config RESOURCE.toml --node NAME`: one node of a replicated export.
+fn run_replicated(args: &ServeArgs, path: &std::path::Path) -> anyhow::Result<()> {
+    use netblk::replication::{config::ResourceConfig, node::Node};
+    let resource = ResourceConfig::load(path)?;
+    let Some(name) = args.node.clone() else {
+        bail!(
+            "{} is a resource file: say which node this is with --node NAME",
+            path.display()
+        );
+    };
+    if !args.listen.is_empty() {
+        bail!("--listen does not apply to a resource file: each node's listen address is in it");
+    }
+    let handshake_timeout = args.handshake_timeout.unwrap_or(DEFAULT_HANDSHAKE_TIMEOUT);
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if let Some(threads) = args.threads {
+        runtime.worker_threads(usize::from(threads));
+    }
+    let runtime = runtime.enable_all().build().context("starting tokio")?;
+    let primary = args.primary;
+    runtime.block_on(async move {
+        let shutdown = shutdown_signal()?;
+        let node = Node::bind(resource, &name, primary, handshake_timeout).await?;
+        let mut stdout = std::io::stdout().lock();
+        writeln!(stdout, "listening on {}", node.client_listener())?;
+        writeln!(stdout, "replicating on {}", node.replication_listener())?;
+        stdout.flush()?;
+        drop(stdout);
+        node.serve(shutdown).await
+    })
+}
+
+/// Sends one request to a node's control socket and prints the answer.
+fn run_control_command(target: &ControlTarget, request: &str, json: bool) -> anyhow::Result<()> {
+    use netblk::replication::{config::ResourceConfig, control};
+    let path = match (&target.control, &target.config, &target.node) {
+        (Some(path), _, _) => path.clone(),
+        (None, Some(config), Some(node)) => ResourceConfig::load(config)?
+            .node(node)
+            .map_err(anyhow::Error::msg)?
+            .control
+            .clone(),
+        _ => bail!("give --config FILE --node NAME, or --control PATH"),
+    };
+    let reply = control::request(&path, request)?;
+    let mut stdout = std::io::stdout().lock();
+    if json {
+        writeln!(stdout, "{}", serde_json::to_string_pretty(&reply)?)?;
+    } else {
+        if !reply.message.is_empty() {
+            writeln!(stdout, "{}", reply.message)?;
+        }
+        if let Some(status) = &reply.status {
+            write!(stdout, "{}", control::render(status))?;
+        }
+    }
+    if !reply.ok {
+        bail!("{request}: {}", reply.message);
+    }
+    Ok(())
 }
 
 /// A future that completes on SIGINT or SIGTERM; the handlers are installed at once.

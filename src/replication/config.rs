@@ -1,0 +1,468 @@
+//! The resource file: one TOML file, the same on every node, that describes a replicated
+//! export and the nodes that hold it.
+//!
+//! ```toml
+//! [resource]
+//! name = "r0"
+//! protocol = "C"          # C (default): reply when every up-to-date replica has the write
+//! peer_timeout = "3s"     # a silent peer is dropped (and tracked in the bitmap) after this
+//! resync_rate = "100M"    # bytes per second of background resync
+//! size = "10G"            # creates missing backing files of this size
+//!
+//! [[node]]
+//! name = "alpha"
+//! replication = "10.0.0.1:7788"
+//! listen = "10.0.0.1:10809"       # or "unix:/run/netblk/r0.sock"
+//! backing = "/srv/r0.img"
+//! metadata = "/var/lib/netblk/r0.meta"
+//! # control = "/run/netblk/r0-alpha.ctl"  (default: the metadata path + ".ctl")
+//! # cache = "none"                        (O_DIRECT; default: none for block devices, writeback for files)
+//!
+//! [[node]]
+//! name = "beta"
+//! ...
+//! ```
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::backend::{BackingSpec, CacheMode};
+use crate::listen::ListenAddr;
+use crate::size::parse_size;
+
+/// Longest resource or node name: both travel in every handshake.
+pub const MAX_NAME_LEN: usize = 64;
+/// A resource is replicated across at least two and at most this many nodes.
+pub const MAX_NODES: usize = 3;
+const DEFAULT_PEER_TIMEOUT: Duration = Duration::from_secs(3);
+const DEFAULT_RESYNC_RATE: u64 = 100 << 20;
+
+/// When a write is acknowledged to the client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Protocol {
+    /// Asynchronous: the local write is done and the write is queued for every peer.
+    A,
+    /// Memory-synchronous: the local write is done and every peer has received it.
+    B,
+    /// Synchronous: the local write is done and every up-to-date peer has applied it.
+    C,
+}
+
+impl Protocol {
+    fn parse(text: &str) -> Result<Protocol, String> {
+        match text {
+            "A" | "a" => Ok(Protocol::A),
+            "B" | "b" => Ok(Protocol::B),
+            "C" | "c" => Ok(Protocol::C),
+            _ => Err(format!("{text:?} is not a protocol (A, B or C)")),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawResourceFile {
+    resource: RawResource,
+    #[serde(default, rename = "node")]
+    nodes: Vec<RawNode>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawResource {
+    name: String,
+    protocol: Option<String>,
+    peer_timeout: Option<String>,
+    resync_rate: Option<String>,
+    size: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawNode {
+    name: String,
+    replication: String,
+    listen: String,
+    backing: String,
+    metadata: String,
+    control: Option<String>,
+    cache: Option<String>,
+}
+
+/// One node of the resource, checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeConfig {
+    pub name: String,
+    /// Where this node listens for (and its peers connect to) replication traffic.
+    pub replication: SocketAddr,
+    /// Where this node serves NBD clients when it is primary.
+    pub listen: ListenAddr,
+    pub backing: BackingSpec,
+    pub metadata: PathBuf,
+    /// Direct or page-cache I/O on the backing (`None`: the default for its kind).
+    pub cache: Option<CacheMode>,
+    /// The local Unix socket for `netblk status`, `promote`, `demote`.
+    pub control: PathBuf,
+}
+
+/// A checked resource file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResourceConfig {
+    pub name: String,
+    pub protocol: Protocol,
+    pub peer_timeout: Duration,
+    /// Bytes per second.
+    pub resync_rate: u64,
+    /// Size to create missing backing files with.
+    pub size: Option<u64>,
+    pub nodes: Vec<NodeConfig>,
+}
+
+/// A resource-file error that names the key at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum ResourceConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Syntax { path: String, message: String },
+    #[error("{path}: {key}: {message}")]
+    Invalid {
+        path: String,
+        key: String,
+        message: String,
+    },
+}
+
+/// Whether configuration text is a resource file (has a `[resource]` table) rather than a
+/// plain export file. Text that is not TOML at all is not one.
+pub fn is_resource_file(text: &str) -> bool {
+    toml::from_str::<toml::Table>(text)
+        .map(|table| table.get("resource").is_some_and(|v| v.is_table()))
+        .unwrap_or(false)
+}
+
+impl ResourceConfig {
+    /// Reads and checks a resource file.
+    pub fn load(path: &Path) -> Result<ResourceConfig, ResourceConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ResourceConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        ResourceConfig::parse(&text, &path.display().to_string())
+    }
+
+    /// Parses and checks resource-file text; `origin` names it in errors.
+    pub fn parse(text: &str, origin: &str) -> Result<ResourceConfig, ResourceConfigError> {
+        let raw: RawResourceFile =
+            toml::from_str(text).map_err(|e| ResourceConfigError::Syntax {
+                path: origin.to_string(),
+                message: e.to_string().trim_end().to_string(),
+            })?;
+        let invalid = |key: &str, message: String| ResourceConfigError::Invalid {
+            path: origin.to_string(),
+            key: key.to_string(),
+            message,
+        };
+        check_name(&raw.resource.name).map_err(|e| invalid("resource.name", e))?;
+        let protocol = match &raw.resource.protocol {
+            Some(text) => Protocol::parse(text).map_err(|e| invalid("resource.protocol", e))?,
+            None => Protocol::C,
+        };
+        let peer_timeout = match &raw.resource.peer_timeout {
+            Some(text) => humantime::parse_duration(text)
+                .map_err(|e| invalid("resource.peer_timeout", format!("{text:?}: {e}")))?,
+            None => DEFAULT_PEER_TIMEOUT,
+        };
+        if peer_timeout.is_zero() {
+            return Err(invalid(
+                "resource.peer_timeout",
+                "must be above zero".into(),
+            ));
+        }
+        let resync_rate = match &raw.resource.resync_rate {
+            Some(text) => parse_size(text).map_err(|e| invalid("resource.resync_rate", e))?,
+            None => DEFAULT_RESYNC_RATE,
+        };
+        if resync_rate == 0 {
+            return Err(invalid("resource.resync_rate", "must be above zero".into()));
+        }
+        let size = match &raw.resource.size {
+            Some(text) => Some(parse_size(text).map_err(|e| invalid("resource.size", e))?),
+            None => None,
+        };
+        if raw.nodes.len() < 2 || raw.nodes.len() > MAX_NODES {
+            return Err(invalid(
+                "node",
+                format!(
+                    "{} [[node]] tables; a resource needs 2 to {MAX_NODES}",
+                    raw.nodes.len()
+                ),
+            ));
+        }
+        let mut nodes: Vec<NodeConfig> = Vec::new();
+        let mut paths_seen = HashSet::new();
+        for (i, node) in raw.nodes.into_iter().enumerate() {
+            let key = |field: &str| format!("node[{i}].{field}");
+            check_name(&node.name).map_err(|e| invalid(&key("name"), e))?;
+            if nodes.iter().any(|n| n.name == node.name) {
+                return Err(invalid(
+                    &key("name"),
+                    format!("node name {:?} is used twice", node.name),
+                ));
+            }
+            let replication: SocketAddr = node.replication.parse().map_err(|_| {
+                invalid(
+                    &key("replication"),
+                    format!("{:?} is not IP:PORT", node.replication),
+                )
+            })?;
+            if replication.port() == 0 {
+                return Err(invalid(
+                    &key("replication"),
+                    "needs a fixed port: peers connect to it".into(),
+                ));
+            }
+            if nodes.iter().any(|n| n.replication == replication) {
+                return Err(invalid(
+                    &key("replication"),
+                    format!("{replication} is used by two nodes"),
+                ));
+            }
+            let listen = ListenAddr::parse(&node.listen).map_err(|e| invalid(&key("listen"), e))?;
+            let backing =
+                BackingSpec::parse(&node.backing).map_err(|e| invalid(&key("backing"), e))?;
+            if node.metadata.is_empty() {
+                return Err(invalid(&key("metadata"), "the path is empty".into()));
+            }
+            let metadata = PathBuf::from(&node.metadata);
+            if let BackingSpec::Path(path) = &backing {
+                if path == &metadata {
+                    return Err(invalid(
+                        &key("metadata"),
+                        "must not be the backing itself".into(),
+                    ));
+                }
+            }
+            let control = match node.control {
+                Some(text) if text.is_empty() => {
+                    return Err(invalid(&key("control"), "the path is empty".into()))
+                }
+                Some(text) => PathBuf::from(text),
+                None => {
+                    let mut path = metadata.clone().into_os_string();
+                    path.push(".ctl");
+                    PathBuf::from(path)
+                }
+            };
+            // Nodes may share one machine (tests, one host per namespace), so two nodes
+            // writing one file would corrupt both.
+            for (what, path) in [("metadata", &metadata), ("control", &control)] {
+                if !paths_seen.insert(path.clone()) {
+                    return Err(invalid(
+                        &key(what),
+                        format!("{} is used by two nodes", path.display()),
+                    ));
+                }
+            }
+            let cache = node
+                .cache
+                .map(|text| {
+                    text.parse::<CacheMode>()
+                        .map_err(|e| invalid(&key("cache"), e))
+                })
+                .transpose()?;
+            nodes.push(NodeConfig {
+                name: node.name,
+                replication,
+                listen,
+                backing,
+                metadata,
+                cache,
+                control,
+            });
+        }
+        Ok(ResourceConfig {
+            name: raw.resource.name,
+            protocol,
+            peer_timeout,
+            resync_rate,
+            size,
+            nodes,
+        })
+    }
+
+    /// The node called `name`, or an error that lists the nodes there are.
+    pub fn node(&self, name: &str) -> Result<&NodeConfig, String> {
+        self.nodes.iter().find(|n| n.name == name).ok_or_else(|| {
+            let known: Vec<&str> = self.nodes.iter().map(|n| n.name.as_str()).collect();
+            format!(
+                "resource {:?} has no node {name:?} (nodes: {})",
+                self.name,
+                known.join(", ")
+            )
+        })
+    }
+
+    /// Every node except `name`.
+    pub fn peers_of<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a NodeConfig> + 'a {
+        self.nodes.iter().filter(move |n| n.name != name)
+    }
+}
+
+fn check_name(name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err("the name is empty".into());
+    }
+    if name.len() > MAX_NAME_LEN {
+        return Err(format!("longer than {MAX_NAME_LEN} bytes"));
+    }
+    if !name
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+    {
+        return Err(format!(
+            "{name:?}: only letters, digits, '-', '_' and '.' are allowed"
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TWO_NODES: &str = r#"
+        [resource]
+        name = "r0"
+        peer_timeout = "2s"
+        resync_rate = "10M"
+        size = "1G"
+
+        [[node]]
+        name = "alpha"
+        replication = "127.0.0.1:7001"
+        listen = "127.0.0.1:10809"
+        backing = "/tmp/a.img"
+        metadata = "/tmp/a.meta"
+
+        [[node]]
+        name = "beta"
+        replication = "127.0.0.1:7002"
+        listen = "unix:/tmp/b.sock"
+        backing = "memory:1G"
+        metadata = "/tmp/b.meta"
+        control = "/tmp/b.control"
+    "#;
+
+    #[test]
+    fn a_two_node_resource_parses_with_defaults() {
+        let config = ResourceConfig::parse(TWO_NODES, "r0.toml").unwrap();
+        assert_eq!(config.name, "r0");
+        assert_eq!(config.protocol, Protocol::C);
+        assert_eq!(config.peer_timeout, Duration::from_secs(2));
+        assert_eq!(config.resync_rate, 10 << 20);
+        assert_eq!(config.size, Some(1 << 30));
+        let alpha = config.node("alpha").unwrap();
+        assert_eq!(alpha.replication, "127.0.0.1:7001".parse().unwrap());
+        assert_eq!(alpha.control, PathBuf::from("/tmp/a.meta.ctl"));
+        let beta = config.node("beta").unwrap();
+        assert_eq!(beta.listen, ListenAddr::Unix("/tmp/b.sock".into()));
+        assert_eq!(beta.control, PathBuf::from("/tmp/b.control"));
+        let peers: Vec<&str> = config.peers_of("alpha").map(|n| n.name.as_str()).collect();
+        assert_eq!(peers, ["beta"]);
+        let missing = config.node("gamma").unwrap_err();
+        assert!(missing.contains("alpha, beta"), "{missing}");
+    }
+
+    #[test]
+    fn resource_files_are_told_from_export_files() {
+        assert!(is_resource_file(TWO_NODES));
+        assert!(!is_resource_file(
+            "[[export]]\nname = \"a\"\nbacking = \"memory:1M\"\n"
+        ));
+        assert!(!is_resource_file("resource = 1\n"));
+        assert!(!is_resource_file("not toml ["));
+    }
+
+    fn error_of(edit: impl Fn(&str) -> String) -> String {
+        ResourceConfig::parse(&edit(TWO_NODES), "r0.toml")
+            .unwrap_err()
+            .to_string()
+    }
+
+    #[test]
+    fn errors_name_the_key_and_why() {
+        let cases: [(&str, &str, &str); 12] = [
+            ("name = \"r0\"", "name = \"\"", "resource.name"),
+            ("name = \"r0\"", "name = \"r 0\"", "resource.name"),
+            (
+                "peer_timeout = \"2s\"",
+                "peer_timeout = \"soon\"",
+                "resource.peer_timeout",
+            ),
+            (
+                "peer_timeout = \"2s\"",
+                "peer_timeout = \"0s\"",
+                "resource.peer_timeout",
+            ),
+            (
+                "resync_rate = \"10M\"",
+                "resync_rate = \"fast\"",
+                "resource.resync_rate",
+            ),
+            (
+                "size = \"1G\"",
+                "size = \"1G\"\nprotocol = \"D\"",
+                "resource.protocol",
+            ),
+            ("name = \"beta\"", "name = \"alpha\"", "node[1].name"),
+            (
+                "replication = \"127.0.0.1:7002\"",
+                "replication = \"127.0.0.1:7001\"",
+                "node[1].replication",
+            ),
+            (
+                "replication = \"127.0.0.1:7002\"",
+                "replication = \"somewhere\"",
+                "node[1].replication",
+            ),
+            (
+                "listen = \"unix:/tmp/b.sock\"",
+                "listen = \"nowhere\"",
+                "node[1].listen",
+            ),
+            (
+                "backing = \"memory:1G\"",
+                "backing = \"memory:0\"",
+                "node[1].backing",
+            ),
+            (
+                "metadata = \"/tmp/b.meta\"",
+                "metadata = \"/tmp/a.meta\"",
+                "node[1].metadata",
+            ),
+        ];
+        for (from, to, key) in cases {
+            let e = error_of(|text| text.replacen(from, to, 1));
+            assert!(e.contains(key), "{to}: {e}");
+        }
+        let e = error_of(|text| text.replace("size = \"1G\"", "colour = \"red\""));
+        assert!(e.contains("colour"), "{e}");
+        let e = error_of(|text| {
+            text.split("[[node]]")
+                .take(2)
+                .collect::<Vec<_>>()
+                .join("[[node]]")
+        });
+        assert!(e.contains("node") && e.contains("2 to 3"), "{e}");
+        let e = error_of(|text| text.replace("metadata = \"/tmp/a.meta\"", ""));
+        assert!(e.contains("metadata"), "{e}");
+    }
+}

@@ -1,0 +1,358 @@
+//! The node's local control socket (Unix, never on the network): one request line per
+//! connection (`status`, `promote`, `promote --force`, `demote`, `verify`), one JSON
+//! reply line. `netblk status|promote|demote|verify` are its clients.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader as AsyncBufReader};
+use tokio::net::UnixListener;
+use tokio::sync::watch;
+use tracing::{info, warn};
+
+use super::layer::Shared;
+use super::meta::REGION_SIZE;
+use super::peer::{Plan, WaitKey};
+use super::wire::Message;
+
+/// A node's state as `netblk status` shows it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Status {
+    pub resource: String,
+    pub node: String,
+    pub role: String,
+    pub disk: String,
+    pub generation: String,
+    pub bitmap_generation: String,
+    /// Bytes that some peer misses.
+    pub out_of_sync_bytes: u64,
+    pub peers: Vec<PeerStatus>,
+}
+
+/// One peer, seen from this node.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PeerStatus {
+    pub name: String,
+    pub connected: bool,
+    /// `source` (this node resyncs and replicates to it), `target`, `idle` or
+    /// `disconnected`.
+    pub link: String,
+    pub replicating: bool,
+    pub resync_done_bytes: u64,
+    pub resync_total_bytes: u64,
+    /// Of the bytes resynced, those whose checksums differed and were sent.
+    pub resync_sent_bytes: u64,
+    /// Bytes this peer misses (its own bitmap).
+    pub out_of_sync_bytes: u64,
+}
+
+/// The reply to any control request.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Reply {
+    pub ok: bool,
+    pub message: String,
+    pub status: Option<Status>,
+}
+
+impl Shared {
+    /// This node's status.
+    pub fn status(&self) -> Status {
+        let (disk, generations, out_of_sync_bytes, per_peer) = {
+            let meta = self.meta();
+            let sb = meta.superblock();
+            let per_peer: Vec<u64> = (0..self.peers.len())
+                .map(|peer| meta.out_of_sync_bytes(peer))
+                .collect();
+            (
+                sb.disk,
+                sb.generations,
+                meta.out_of_sync_bytes_for_any(),
+                per_peer,
+            )
+        };
+        let peers = self
+            .peers
+            .iter()
+            .map(|slot| {
+                let conn = slot.conn.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                let link = match conn.as_ref().map(|c| c.plan) {
+                    None => "disconnected",
+                    Some(Plan::Source { .. }) => "source",
+                    Some(Plan::Target) => "target",
+                    Some(Plan::Idle) => "idle",
+                };
+                PeerStatus {
+                    name: slot.config.name.clone(),
+                    connected: conn.is_some(),
+                    link: link.into(),
+                    replicating: conn
+                        .as_ref()
+                        .is_some_and(|c| c.replicating.load(Ordering::Acquire)),
+                    resync_done_bytes: slot.resync_done.load(Ordering::Relaxed) * REGION_SIZE,
+                    resync_total_bytes: slot.resync_total.load(Ordering::Relaxed) * REGION_SIZE,
+                    resync_sent_bytes: slot.resync_sent.load(Ordering::Relaxed),
+                    out_of_sync_bytes: per_peer[slot.index],
+                }
+            })
+            .collect();
+        Status {
+            resource: self.resource.name.clone(),
+            node: self.node.clone(),
+            role: if self.is_primary() {
+                "primary"
+            } else {
+                "secondary"
+            }
+            .into(),
+            disk: format!("{disk:?}"),
+            generation: format!("{:#018x}", generations.current),
+            bitmap_generation: format!("{:#018x}", generations.bitmap),
+            out_of_sync_bytes,
+            peers,
+        }
+    }
+
+    /// Ends every peer connection; the dialling side reconnects and both sides run
+    /// the hello checks again with their new roles.
+    pub fn drop_connections(&self) {
+        for slot in &self.peers {
+            let conn = slot.conn.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            if let Some(conn) = conn {
+                conn.close();
+            }
+        }
+    }
+
+    /// Online verify: compares the CRC32C of every region with every replicating peer.
+    /// Regions that differ are marked out of sync and the peer is reconnected, which
+    /// resyncs them. Returns the number of differing regions.
+    pub async fn verify(&self) -> Result<u64, String> {
+        if !self.is_primary() {
+            return Err("verify runs on the primary".into());
+        }
+        let size = self.local.size();
+        let mut differing = 0;
+        for slot in &self.peers {
+            let conn = slot.conn.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            let Some(conn) = conn.filter(|c| c.replicating.load(Ordering::Acquire)) else {
+                continue;
+            };
+            let mut peer_differing = 0;
+            let mut offset = 0;
+            while offset < size {
+                let length = REGION_SIZE.min(size - offset);
+                let guard = self.lock_range(offset, length).await;
+                let local = self
+                    .local
+                    .read(offset, length as usize)
+                    .await
+                    .map_err(|e| format!("verify read: {e}"))?;
+                let id = self.request_id();
+                let reply = conn.request(
+                    WaitKey::Request(id),
+                    Message::ChecksumRequest {
+                        id,
+                        offset,
+                        length: length as u32,
+                    },
+                );
+                let theirs = match tokio::time::timeout(self.resource.peer_timeout, reply).await {
+                    Ok(Ok(Message::ChecksumReply {
+                        status: 0,
+                        checksum,
+                        ..
+                    })) => Some(checksum),
+                    Ok(Ok(_)) => None,
+                    _ => return Err(format!("peer {} did not answer the verify", conn.peer)),
+                };
+                if theirs != Some(crc32c::crc32c(&local.data)) {
+                    self.meta().mark_out_of_sync(slot.index, offset, length);
+                    peer_differing += 1;
+                }
+                drop(guard);
+                offset += length;
+            }
+            if peer_differing > 0 {
+                warn!(peer = %conn.peer, "verify: {peer_differing} regions differ; reconnecting to resync them");
+                conn.close();
+            } else {
+                info!(peer = %conn.peer, "verify: every region is equal");
+            }
+            differing += peer_differing;
+        }
+        Ok(differing)
+    }
+}
+
+async fn answer(shared: &Shared, request: &str) -> Reply {
+    let words: Vec<&str> = request.split_whitespace().collect();
+    let done = |result: Result<String, String>| match result {
+        Ok(message) => Reply {
+            ok: true,
+            message,
+            status: Some(shared.status()),
+        },
+        Err(message) => Reply {
+            ok: false,
+            message,
+            status: Some(shared.status()),
+        },
+    };
+    match words.as_slice() {
+        ["status"] => done(Ok(String::new())),
+        ["promote"] | ["promote", "--force"] => {
+            let force = words.len() == 2;
+            let peer_primary = shared.peers.iter().find(|slot| {
+                let conn = slot.conn.lock().unwrap_or_else(|e| e.into_inner());
+                conn.as_ref().is_some_and(|c| c.plan == Plan::Target)
+            });
+            if let Some(slot) = peer_primary {
+                return done(Err(format!(
+                    "peer {} is primary: demote it first",
+                    slot.config.name
+                )));
+            }
+            let result = shared.promote(force).map(|()| {
+                shared.drop_connections();
+                "promoted to primary".to_string()
+            });
+            done(result)
+        }
+        ["demote"] => {
+            let result = shared.demote().await.map(|()| {
+                shared.drop_connections();
+                "demoted to secondary".to_string()
+            });
+            done(result)
+        }
+        ["verify"] => done(
+            shared
+                .verify()
+                .await
+                .map(|n| format!("verify done: {n} regions differed")),
+        ),
+        _ => done(Err(format!(
+            "unknown request {request:?} (status, promote [--force], demote, verify)"
+        ))),
+    }
+}
+
+/// Binds the control socket; a stale socket file (nobody listening) is replaced.
+pub fn bind_control(path: &Path) -> std::io::Result<UnixListener> {
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::AddrInUse,
+                format!("{} is in use by another node", path.display()),
+            ));
+        }
+        std::fs::remove_file(path)?;
+    }
+    UnixListener::bind(path)
+}
+
+/// Serves the control socket until `stop` turns true, then removes its file.
+pub async fn run_control(
+    shared: Arc<Shared>,
+    listener: UnixListener,
+    path: PathBuf,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        let accepted = tokio::select! {
+            _ = stop.wait_for(|s| *s) => break,
+            accepted = listener.accept() => accepted,
+        };
+        let Ok((stream, _)) = accepted else { continue };
+        let shared = Arc::clone(&shared);
+        tokio::spawn(async move {
+            let (read, mut write) = stream.into_split();
+            let mut line = String::new();
+            let mut reader = AsyncBufReader::new(read);
+            if reader.read_line(&mut line).await.is_err() {
+                return;
+            }
+            let reply = answer(&shared, line.trim()).await;
+            let mut text = serde_json::to_string(&reply).expect("serializable reply");
+            text.push('\n');
+            let _ = write.write_all(text.as_bytes()).await;
+        });
+    }
+    let _ = std::fs::remove_file(&path);
+}
+
+/// Errors of the control client.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error("cannot reach the node at {path} (is it running?): {source}")]
+    Connect {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("control socket {path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("control socket {path}: bad reply: {source}")]
+    BadReply {
+        path: String,
+        source: serde_json::Error,
+    },
+}
+
+/// Sends one request to a node's control socket and returns its reply.
+pub fn request(path: &Path, request: &str) -> Result<Reply, ControlError> {
+    let shown = path.display().to_string();
+    let mut stream =
+        std::os::unix::net::UnixStream::connect(path).map_err(|source| ControlError::Connect {
+            path: shown.clone(),
+            source,
+        })?;
+    let io = |source| ControlError::Io {
+        path: shown.clone(),
+        source,
+    };
+    stream
+        .write_all(format!("{request}\n").as_bytes())
+        .map_err(io)?;
+    let mut line = String::new();
+    BufReader::new(stream).read_line(&mut line).map_err(io)?;
+    serde_json::from_str(&line).map_err(|source| ControlError::BadReply {
+        path: shown.clone(),
+        source,
+    })
+}
+
+/// A human-readable rendering of a status.
+pub fn render(status: &Status) -> String {
+    let mut text = format!(
+        "resource {} node {}: {}, disk {}, generation {}, {} bytes out of sync\n",
+        status.resource,
+        status.node,
+        status.role,
+        status.disk,
+        status.generation,
+        status.out_of_sync_bytes
+    );
+    for peer in &status.peers {
+        text.push_str(&format!(
+            "  peer {}: {}, {} bytes out of sync",
+            peer.name, peer.link, peer.out_of_sync_bytes
+        ));
+        if peer.replicating {
+            text.push_str(", replicating");
+        }
+        if peer.resync_total_bytes > 0 {
+            text.push_str(&format!(
+                ", resync {}/{} bytes ({} sent, the rest equal)",
+                peer.resync_done_bytes, peer.resync_total_bytes, peer.resync_sent_bytes
+            ));
+        }
+        text.push('\n');
+    }
+    text
+}

@@ -1,0 +1,817 @@
+//! The replicated backend: a [`Backend`] over the local backend that, on the primary,
+//! ships every write to the connected peers and replies per protocol, and otherwise
+//! refuses client writes.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use tokio::sync::{oneshot, Notify};
+use tracing::{info, warn};
+
+use super::config::{NodeConfig, Protocol, ResourceConfig};
+use super::generation::{random_generation, SyncDecision, JUST_CREATED};
+use super::meta::{MetaError, Metadata, EXTENT_SIZE, REGION_SIZE};
+use super::peer::{PeerConn, Plan, WaitKey};
+use super::wire::{write_flags, DiskState, Message, ResyncStatus, Role};
+use crate::backend::{
+    Backend, BackendError, BackendFuture, Capabilities, Extent, ReadData, ZeroFlags,
+};
+use crate::wire::NbdError;
+
+/// Regions a resync has in flight at once.
+const RESYNC_WINDOW: usize = 8;
+
+/// Protocol A: payload bytes a peer may have unacknowledged before writes wait for it.
+const PROTOCOL_A_MAX_UNACKED: u64 = 64 << 20;
+
+/// One configured peer and its connection, if any.
+pub struct PeerSlot {
+    /// Position among the peers: also the index of this peer's bitmap.
+    pub index: usize,
+    pub config: NodeConfig,
+    pub conn: Mutex<Option<Arc<PeerConn>>>,
+    /// Regions resynced to this peer in the current pass, and the pass's total.
+    pub resync_done: AtomicU64,
+    pub resync_total: AtomicU64,
+    /// Bytes of data the current pass actually sent (the rest had equal checksums).
+    pub resync_sent: AtomicU64,
+}
+
+/// State shared by the backend, the peer connections and the control socket.
+pub struct Shared {
+    pub local: Arc<dyn Backend>,
+    pub resource: ResourceConfig,
+    pub node: String,
+    pub meta: Mutex<Metadata>,
+    pub peers: Vec<PeerSlot>,
+    primary: AtomicBool,
+    /// Set after the final flush: connections ending now lose nothing.
+    stopping: AtomicBool,
+    next_seq: AtomicU64,
+    next_epoch: AtomicU64,
+    next_request: AtomicU64,
+    ranges: RangeLocks,
+    al_released: Notify,
+}
+
+/// The replicated export's backend.
+#[derive(Clone)]
+pub struct ReplicatedBackend {
+    pub shared: Arc<Shared>,
+}
+
+impl Shared {
+    /// Builds the shared state; the metadata is marked in use (not clean).
+    pub fn new(
+        local: Arc<dyn Backend>,
+        resource: ResourceConfig,
+        node: &str,
+        mut meta: Metadata,
+    ) -> Result<Arc<Shared>, MetaError> {
+        meta.set_clean(false)?;
+        // Every start is as secondary, as with DRBD: after a crash the other node may have
+        // been promoted meanwhile, and two primaries must never both serve clients. The
+        // operator or orchestrator promotes (`--primary`, `netblk promote`).
+        let was_primary = meta.superblock().primary;
+        if was_primary {
+            meta.update(|sb| sb.primary = false)?;
+            info!("this node was primary when it stopped; it starts as secondary");
+        }
+        let peers = resource
+            .peers_of(node)
+            .enumerate()
+            .map(|(index, config)| PeerSlot {
+                index,
+                config: config.clone(),
+                conn: Mutex::new(None),
+                resync_done: AtomicU64::new(0),
+                resync_total: AtomicU64::new(0),
+                resync_sent: AtomicU64::new(0),
+            })
+            .collect();
+        Ok(Arc::new(Shared {
+            local,
+            node: node.to_string(),
+            resource,
+            meta: Mutex::new(meta),
+            peers,
+            primary: AtomicBool::new(false),
+            stopping: AtomicBool::new(false),
+            next_seq: AtomicU64::new(1),
+            next_epoch: AtomicU64::new(1),
+            next_request: AtomicU64::new(1),
+            ranges: RangeLocks::default(),
+            al_released: Notify::new(),
+        }))
+    }
+
+    pub fn is_primary(&self) -> bool {
+        self.primary.load(Ordering::Acquire)
+    }
+
+    pub fn role(&self) -> Role {
+        if self.is_primary() {
+            Role::Primary
+        } else {
+            Role::Secondary
+        }
+    }
+
+    /// The metadata, locked. Lock order: metadata before any peer slot.
+    pub fn meta(&self) -> MutexGuard<'_, Metadata> {
+        self.meta.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A fresh id for a request/reply pair on a peer connection.
+    pub fn request_id(&self) -> u64 {
+        self.next_request.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Makes this node primary. Refused unless `force` when its data is not known to be
+    /// up to date, or when a connected peer's generations show newer data; a
+    /// just-created node gets its first real generation.
+    pub fn promote(&self, force: bool) -> Result<(), String> {
+        let mut meta = self.meta();
+        let sb = meta.superblock().clone();
+        if self.is_primary() {
+            return Ok(());
+        }
+        if !force {
+            for slot in &self.peers {
+                let conn = slot.conn.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                let Some(conn) = conn else { continue };
+                let theirs = conn.peer_generations();
+                if matches!(
+                    sb.generations.compare(&theirs),
+                    SyncDecision::TargetFromBitmap | SyncDecision::TargetFull
+                ) {
+                    return Err(format!(
+                        "peer {} has newer data (generation {:#x}); promote it instead, or use --force",
+                        conn.peer, theirs.current
+                    ));
+                }
+            }
+        }
+        let fresh = sb.generations.current == JUST_CREATED;
+        if !force && !fresh && sb.disk != DiskState::UpToDate {
+            return Err(format!(
+                "this node's data is {:?}: it may be older than a peer's; use --force to promote anyway",
+                sb.disk
+            ));
+        }
+        if !force && sb.disk == DiskState::Inconsistent {
+            return Err("this node is in the middle of a resync; use --force".into());
+        }
+        let new_generation = random_generation().map_err(|e| format!("random: {e}"))?;
+        meta.update(|sb| {
+            if fresh {
+                // The first real generation: peers that are still just-created get a
+                // full (checksum) resync from this node.
+                sb.generations.current = new_generation;
+            } else if force {
+                // Forced data may differ from a peer's: a new generation, so the peers
+                // see either an older ancestor (resync) or split brain, never "equal".
+                sb.generations.start_new(new_generation);
+            }
+            sb.primary = true;
+            sb.disk = DiskState::UpToDate;
+        })
+        .map_err(|e| e.to_string())?;
+        self.primary.store(true, Ordering::Release);
+        info!(
+            generation = format!("{:#x}", meta.superblock().generations.current),
+            "promoted to primary"
+        );
+        Ok(())
+    }
+
+    /// Makes this node secondary: new client writes are refused at once, the writes
+    /// already past that check finish, and one replicated flush makes them durable on
+    /// every replica before the role change is recorded.
+    pub async fn demote(&self) -> Result<(), String> {
+        self.primary.store(false, Ordering::Release);
+        self.ranges.wait_idle().await;
+        self.flush_all()
+            .await
+            .map_err(|e| format!("flush before demoting failed: {e}"))?;
+        self.meta()
+            .update(|sb| sb.primary = false)
+            .map_err(|e| e.to_string())?;
+        info!("demoted to secondary");
+        Ok(())
+    }
+
+    /// Connections that take replicated writes now.
+    fn replicating_conns(&self) -> Vec<Arc<PeerConn>> {
+        self.peers
+            .iter()
+            .filter_map(|slot| {
+                let conn = slot.conn.lock().unwrap_or_else(|e| e.into_inner());
+                conn.as_ref()
+                    .filter(|c| c.replicating.load(Ordering::Acquire))
+                    .cloned()
+            })
+            .collect()
+    }
+
+    /// Under the metadata lock: which peers get this write; regions of peers that do
+    /// not are marked out of sync, and a new data generation starts the first time.
+    fn targets_for_write(&self, offset: u64, length: u64) -> Result<Vec<Arc<PeerConn>>, String> {
+        let mut meta = self.meta();
+        let conns = self.replicating_conns();
+        if conns.len() < self.peers.len() {
+            for slot in &self.peers {
+                if !conns.iter().any(|c| c.peer == slot.config.name) {
+                    meta.mark_out_of_sync(slot.index, offset, length);
+                }
+            }
+            let generations = meta.superblock().generations;
+            if generations.bitmap == 0 {
+                let new = random_generation().map_err(|e| e.to_string())?;
+                blocking(|| meta.update(|sb| sb.generations.start_new(new)))
+                    .map_err(|e| e.to_string())?;
+                warn!(
+                    "writing without every peer: new data generation {new:#x}; the bitmap tracks what they miss"
+                );
+                // Peers that are connected and in sync have every write of the new
+                // generation too: they take it now, or after a failover they would
+                // look like a split brain to the node that is away.
+                let generations = meta.superblock().generations;
+                for conn in conns.iter().filter(|c| c.synced.load(Ordering::Acquire)) {
+                    conn.send(Message::State {
+                        role: Role::Primary,
+                        disk: DiskState::UpToDate,
+                        generations,
+                    });
+                }
+            }
+        }
+        Ok(conns)
+    }
+
+    /// A peer connection ended: everything it may have missed is marked out of sync
+    /// (its unacknowledged writes, and every hot extent, since acknowledged writes can
+    /// still sit in its volatile cache), and it leaves its slot.
+    pub fn peer_lost(&self, slot: &PeerSlot, conn: &Arc<PeerConn>, why: &str) {
+        let mut meta = self.meta();
+        let mut current = slot.conn.lock().unwrap_or_else(|e| e.into_inner());
+        if !current.as_ref().is_some_and(|c| Arc::ptr_eq(c, conn)) {
+            return;
+        }
+        let was_replicating = conn.replicating.swap(false, Ordering::AcqRel);
+        *current = None;
+        drop(current);
+        conn.close();
+        if was_replicating && self.is_primary() && !self.stopping.load(Ordering::Acquire) {
+            for (offset, length) in conn.take_in_flight() {
+                meta.mark_out_of_sync(slot.index, offset, length);
+            }
+            for extent in meta.logged_extents().to_vec() {
+                meta.mark_out_of_sync(slot.index, extent * EXTENT_SIZE, EXTENT_SIZE);
+            }
+            warn!(peer = %slot.config.name, "peer lost ({why}): going on degraded, {} bytes out of sync", meta.out_of_sync_bytes(slot.index));
+        } else {
+            info!(peer = %slot.config.name, "peer disconnected ({why})");
+        }
+    }
+
+    /// The slot of the peer called `name`.
+    pub fn slot_named(&self, name: &str) -> Option<&PeerSlot> {
+        self.peers.iter().find(|slot| slot.config.name == name)
+    }
+
+    /// Installs a new connection in its slot; as a resync source it takes writes from
+    /// now on (the metadata lock orders this against writes choosing their targets).
+    pub fn install(&self, slot: &PeerSlot, conn: Arc<PeerConn>, plan: Plan) -> Result<(), String> {
+        let mut meta = self.meta();
+        let mut current = slot.conn.lock().unwrap_or_else(|e| e.into_inner());
+        if current.is_some() {
+            return Err(format!("{} is already connected", slot.config.name));
+        }
+        if let Plan::Source { full } = plan {
+            if !self.is_primary() {
+                return Err("this node stopped being primary".into());
+            }
+            if full {
+                meta.mark_all_out_of_sync(slot.index);
+            }
+            conn.replicating.store(true, Ordering::Release);
+        }
+        *current = Some(conn);
+        Ok(())
+    }
+
+    async fn activate(&self, offset: u64, length: u64) -> Result<(), BackendError> {
+        let extents = Metadata::extents_of(offset, length);
+        loop {
+            let released = self.al_released.notified();
+            let result = {
+                let mut meta = self.meta();
+                if meta.is_active(&extents) {
+                    meta.activate(extents.clone())
+                } else {
+                    // A log transaction is an fdatasync.
+                    blocking(|| meta.activate(extents.clone()))
+                }
+            };
+            match result {
+                Ok(()) => return Ok(()),
+                Err(MetaError::ActivityLogBusy) => released.await,
+                Err(e) => {
+                    warn!("activity log: {e}");
+                    return Err(BackendError::plain(
+                        "activity log",
+                        offset,
+                        length,
+                        NbdError::Io,
+                    ));
+                }
+            }
+        }
+    }
+
+    fn release(&self, offset: u64, length: u64) {
+        self.meta().release(Metadata::extents_of(offset, length));
+        self.al_released.notify_waiters();
+    }
+
+    /// Runs one replicated write-like operation: `local` on this node and `message` (with
+    /// the sequence number filled in) on every replicating peer, replying per protocol.
+    async fn replicate<'a>(
+        &'a self,
+        op: &'static str,
+        offset: u64,
+        length: u64,
+        local: impl FnOnce() -> BackendFuture<'a, ()>,
+        message: impl Fn(u64) -> Message,
+    ) -> Result<(), BackendError> {
+        if !self.is_primary() {
+            return Err(BackendError::plain(op, offset, length, NbdError::Perm));
+        }
+        let _range = self.ranges.lock(offset, length.max(1)).await;
+        self.activate(offset, length).await?;
+        let result = self
+            .replicate_locked(op, offset, length, local, message)
+            .await;
+        self.release(offset, length);
+        result
+    }
+
+    async fn replicate_locked<'a>(
+        &'a self,
+        op: &'static str,
+        offset: u64,
+        length: u64,
+        local: impl FnOnce() -> BackendFuture<'a, ()>,
+        message: impl Fn(u64) -> Message,
+    ) -> Result<(), BackendError> {
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        // One deadline for every peer: two lost peers cost one timeout, not two.
+        let deadline = tokio::time::Instant::now() + self.resource.peer_timeout;
+        let conns = self.targets_for_write(offset, length).map_err(|e| {
+            warn!("metadata: {e}");
+            BackendError::plain(op, offset, length, NbdError::Io)
+        })?;
+        let key = match self.resource.protocol {
+            Protocol::B => WaitKey::Received(seq),
+            Protocol::A | Protocol::C => WaitKey::Seq(seq),
+        };
+        let waits: Vec<(Arc<PeerConn>, oneshot::Receiver<Message>)> = conns
+            .into_iter()
+            .map(|conn| {
+                let wait = conn.send_write(seq, offset, length, key, message(seq));
+                (conn, wait)
+            })
+            .collect();
+        // Created only now: the local write must not start before the log update.
+        let local_result = local().await;
+        for (conn, wait) in waits {
+            // Protocol A does not wait, except for a peer so far behind that its queue
+            // would grow without bound: then this write waits like protocol C.
+            let behind = conn.unacked_bytes() > PROTOCOL_A_MAX_UNACKED;
+            if self.resource.protocol != Protocol::A || behind {
+                self.await_peer(&conn, wait, op, deadline).await;
+            }
+        }
+        local_result
+    }
+
+    /// Waits for a peer's answer; a peer that fails, closes or stays silent past the
+    /// timeout is dropped (and what it misses goes into the bitmap).
+    async fn await_peer(
+        &self,
+        conn: &Arc<PeerConn>,
+        wait: oneshot::Receiver<Message>,
+        op: &str,
+        deadline: tokio::time::Instant,
+    ) {
+        let outcome = tokio::time::timeout_at(deadline, wait).await;
+        let why = match outcome {
+            Ok(Ok(Message::Ack { status: 0, .. }))
+            | Ok(Ok(Message::Received { .. }))
+            | Ok(Ok(Message::BarrierAck { status: 0, .. })) => return,
+            Ok(Ok(other)) => format!("{op} failed on the peer: {other:?}"),
+            Ok(Err(_)) => format!("connection closed during {op}"),
+            Err(_) => format!("no answer to {op} within {:?}", self.resource.peer_timeout),
+        };
+        if let Some(slot) = self.peers.iter().find(|s| s.config.name == conn.peer) {
+            self.peer_lost(slot, conn, &why);
+        }
+    }
+
+    /// A replicated flush: a barrier on every replicating peer and a local flush.
+    pub async fn flush_all(&self) -> Result<(), BackendError> {
+        let epoch = self.next_epoch.fetch_add(1, Ordering::Relaxed);
+        // Only a primary has replicating connections (a demoted one until it reconnects).
+        let waits: Vec<_> = self
+            .replicating_conns()
+            .into_iter()
+            .map(|conn| {
+                let wait = conn.request(WaitKey::Epoch(epoch), Message::Barrier { epoch });
+                (conn, wait)
+            })
+            .collect();
+        let local = self.local.flush().await;
+        let deadline = tokio::time::Instant::now() + self.resource.peer_timeout;
+        for (conn, wait) in waits {
+            self.await_peer(&conn, wait, "flush", deadline).await;
+        }
+        local
+    }
+
+    /// Reads from a replicating peer after a local read error, and rewrites the block
+    /// locally so the next read is served from this node again.
+    async fn heal_read(
+        &self,
+        offset: u64,
+        length: usize,
+        error: BackendError,
+    ) -> Result<ReadData, BackendError> {
+        for conn in self.replicating_conns() {
+            let id = self.request_id();
+            let wait = conn.request(
+                WaitKey::Request(id),
+                Message::ReadRequest {
+                    id,
+                    offset,
+                    length: length as u32,
+                },
+            );
+            match tokio::time::timeout(self.resource.peer_timeout, wait).await {
+                Ok(Ok(Message::ReadReply {
+                    status: 0, data, ..
+                })) if data.len() == length => {
+                    warn!(peer = %conn.peer, "local read failed ({error}): served from the peer, rewriting locally");
+                    if let Err(e) = self.local.write(offset, data.clone(), true).await {
+                        warn!("rewriting the healed block failed: {e}");
+                    }
+                    return Ok(ReadData::dense(data));
+                }
+                _ => continue,
+            }
+        }
+        Err(error)
+    }
+
+    /// Takes the range lock, for resync: no client write to the range runs meanwhile.
+    pub async fn lock_range(&self, offset: u64, length: u64) -> RangeGuard<'_> {
+        self.ranges.lock(offset, length).await
+    }
+
+    /// Resync of one peer's out-of-sync regions, one region at a time and rate-limited.
+    /// Only this peer's bitmap is used and cleared.
+    pub async fn resync(&self, slot: &PeerSlot, conn: &Arc<PeerConn>) -> Result<(), String> {
+        let size = self.local.size();
+        // The union of both bitmaps: the target's arrives first.
+        conn.wait_peer_bitmap(self.resource.peer_timeout).await?;
+        let total = self.meta().out_of_sync_regions(slot.index);
+        slot.resync_total.store(total, Ordering::Relaxed);
+        slot.resync_done.store(0, Ordering::Relaxed);
+        slot.resync_sent.store(0, Ordering::Relaxed);
+        info!(peer = %slot.config.name, "resync: {} bytes out of sync", total * REGION_SIZE);
+        let started = tokio::time::Instant::now();
+        let mut sent_bytes = 0u64;
+        let mut region = 0;
+        // Several regions in flight, so a resync is not one round trip per 64 KiB.
+        let mut in_flight = FuturesUnordered::new();
+        loop {
+            while in_flight.len() < RESYNC_WINDOW {
+                let Some(next) = self.meta().next_out_of_sync(slot.index, region) else {
+                    break;
+                };
+                region = next + 1;
+                in_flight.push(self.resync_region(slot, conn, next, size));
+            }
+            let Some(done) = in_flight.next().await else {
+                break;
+            };
+            sent_bytes += done?;
+            // Rate limit on the bytes actually sent.
+            let due = Duration::from_secs_f64(sent_bytes as f64 / self.resource.resync_rate as f64);
+            tokio::time::sleep_until(started + due).await;
+        }
+        {
+            let mut meta = self.meta();
+            if meta.out_of_sync_bytes_for_any() == 0
+                && self.replicating_conns().len() == self.peers.len()
+            {
+                meta.update(|sb| sb.generations.close_bitmap())
+                    .map_err(|e| e.to_string())?;
+                meta.flush_bitmap().map_err(|e| e.to_string())?;
+            }
+            // Under the metadata lock, so a new generation started by a write is either
+            // in this message or sent after it.
+            let generations = meta.superblock().generations;
+            conn.synced.store(true, Ordering::Release);
+            conn.send(Message::State {
+                role: Role::Primary,
+                disk: DiskState::UpToDate,
+                generations,
+            });
+        }
+        info!(peer = %slot.config.name, "resync done: {sent_bytes} bytes sent, the rest had equal checksums");
+        Ok(())
+    }
+
+    /// Resyncs one region; returns the data bytes sent (0 when the checksums matched).
+    async fn resync_region(
+        &self,
+        slot: &PeerSlot,
+        conn: &Arc<PeerConn>,
+        region: u64,
+        size: u64,
+    ) -> Result<u64, String> {
+        if conn.is_closed() {
+            return Err("connection closed".into());
+        }
+        let offset = region * REGION_SIZE;
+        let length = REGION_SIZE.min(size - offset);
+        let _guard = self.lock_range(offset, length).await;
+        let data = self
+            .local
+            .read(offset, length as usize)
+            .await
+            .map_err(|e| format!("resync read: {e}"))?
+            .data;
+        let id = self.request_id();
+        let reply = conn.request(
+            WaitKey::Request(id),
+            Message::ResyncChecksum {
+                id,
+                offset,
+                length: length as u32,
+                checksum: crc32c::crc32c(&data),
+            },
+        );
+        let mut status = self.await_resync(reply).await?;
+        let mut sent = 0;
+        if status == ResyncStatus::NeedData {
+            sent = length;
+            slot.resync_sent.fetch_add(length, Ordering::Relaxed);
+            let reply = conn.request(
+                WaitKey::Request(id),
+                Message::ResyncData { id, offset, data },
+            );
+            status = self.await_resync(reply).await?;
+        }
+        if status != ResyncStatus::InSync {
+            return Err(format!("peer could not resync offset {offset}: {status:?}"));
+        }
+        self.meta().mark_in_sync(slot.index, region);
+        slot.resync_done.fetch_add(1, Ordering::Relaxed);
+        Ok(sent)
+    }
+
+    async fn await_resync(
+        &self,
+        reply: oneshot::Receiver<Message>,
+    ) -> Result<ResyncStatus, String> {
+        match tokio::time::timeout(self.resource.peer_timeout, reply).await {
+            Ok(Ok(Message::ResyncReply { status, .. })) => Ok(status),
+            Ok(Ok(other)) => Err(format!("unexpected {} during resync", other.name())),
+            Ok(Err(_)) => Err("connection closed".into()),
+            Err(_) => Err("resync reply timed out".into()),
+        }
+    }
+
+    /// Marks the node as stopping after its final flush.
+    pub fn stop(&self) {
+        self.stopping.store(true, Ordering::Release);
+    }
+
+    /// Closes the metadata cleanly (bitmap written, clean flag set).
+    pub fn close(&self) {
+        if let Err(e) = self.meta().set_clean(true) {
+            warn!("closing metadata: {e}");
+        }
+    }
+
+    /// This node's disk state and generations, for hellos and status.
+    pub fn local_state(&self) -> (DiskState, super::generation::Generations) {
+        let meta = self.meta();
+        (meta.superblock().disk, meta.superblock().generations)
+    }
+
+    /// The primary finished resyncing this node: take its generations, up to date.
+    pub fn adopt_state_from_primary(&self, generations: super::generation::Generations) {
+        let mut meta = self.meta();
+        // Equal to the source now: nothing here differs any more.
+        meta.mark_all_in_sync();
+        let result = meta.flush_bitmap().and_then(|()| {
+            meta.update(|sb| {
+                sb.generations.adopt(&generations);
+                sb.disk = DiskState::UpToDate;
+            })
+        });
+        match result {
+            Ok(()) => info!("in sync with the primary: up to date"),
+            Err(e) => warn!("metadata: {e}"),
+        }
+    }
+
+    /// Marks this node's data as being overwritten by a resync.
+    pub fn begin_resync_target(&self) {
+        if let Err(e) = self.meta().update(|sb| sb.disk = DiskState::Inconsistent) {
+            warn!("metadata: {e}");
+        }
+    }
+}
+
+impl Backend for ReplicatedBackend {
+    fn size(&self) -> u64 {
+        self.shared.local.size()
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        let mut caps = self.shared.local.capabilities();
+        // Clients of a secondary see a read-only export; writes there are refused anyway.
+        caps.read_only |= !self.shared.is_primary();
+        // FLUSH is a replicated barrier: always offer it.
+        caps.flush = true;
+        caps.fast_zero = false;
+        caps
+    }
+
+    fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
+        Box::pin(async move {
+            match self.shared.local.read(offset, length).await {
+                Ok(data) => Ok(data),
+                Err(e) if self.shared.is_primary() => {
+                    self.shared.heal_read(offset, length, e).await
+                }
+                Err(e) => Err(e),
+            }
+        })
+    }
+
+    fn write(&self, offset: u64, data: Bytes, fua: bool) -> BackendFuture<'_, ()> {
+        Box::pin(async move {
+            let length = data.len() as u64;
+            let flags = if fua { write_flags::FUA } else { 0 };
+            let local_data = data.clone();
+            let local = move || self.shared.local.write(offset, local_data, fua);
+            self.shared
+                .replicate("write", offset, length, local, |seq| Message::Write {
+                    seq,
+                    offset,
+                    flags,
+                    data: data.clone(),
+                })
+                .await
+        })
+    }
+
+    fn flush(&self) -> BackendFuture<'_, ()> {
+        Box::pin(self.shared.flush_all())
+    }
+
+    fn trim(&self, offset: u64, length: u64, fua: bool) -> BackendFuture<'_, ()> {
+        Box::pin(async move {
+            let flags = if fua { write_flags::FUA } else { 0 };
+            let local = move || self.shared.local.trim(offset, length, fua);
+            self.shared
+                .replicate("trim", offset, length, local, |seq| Message::Trim {
+                    seq,
+                    offset,
+                    length,
+                    flags,
+                })
+                .await
+        })
+    }
+
+    fn write_zeroes(&self, offset: u64, length: u64, zero: ZeroFlags) -> BackendFuture<'_, ()> {
+        Box::pin(async move {
+            let mut flags = 0;
+            if zero.fua {
+                flags |= write_flags::FUA;
+            }
+            if zero.may_trim {
+                flags |= write_flags::MAY_TRIM;
+            }
+            let local = move || {
+                self.shared.local.write_zeroes(
+                    offset,
+                    length,
+                    ZeroFlags {
+                        fast: false,
+                        ..zero
+                    },
+                )
+            };
+            self.shared
+                .replicate("write_zeroes", offset, length, local, |seq| Message::Zero {
+                    seq,
+                    offset,
+                    length,
+                    flags,
+                })
+                .await
+        })
+    }
+
+    fn cache(&self, offset: u64, length: u64) -> BackendFuture<'_, ()> {
+        self.shared.local.cache(offset, length)
+    }
+
+    fn extents(&self, offset: u64, length: u64) -> BackendFuture<'_, Vec<Extent>> {
+        self.shared.local.extents(offset, length)
+    }
+}
+
+/// Runs a short blocking step (a metadata fdatasync) from async code: on a multi-thread
+/// runtime the worker hands its other tasks to the rest first; elsewhere it just runs.
+fn blocking<T>(step: impl FnOnce() -> T) -> T {
+    let multi_thread = tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+    if multi_thread {
+        tokio::task::block_in_place(step)
+    } else {
+        step()
+    }
+}
+
+/// Byte ranges with a write (or a resync step) in flight; an overlapping one waits.
+#[derive(Default)]
+struct RangeLocks {
+    held: Mutex<HashMap<u64, (u64, u64)>>,
+    next_id: AtomicU64,
+    released: Notify,
+}
+
+/// Holds a range until dropped.
+pub struct RangeGuard<'a> {
+    locks: &'a RangeLocks,
+    id: u64,
+}
+
+impl RangeLocks {
+    async fn lock(&self, offset: u64, length: u64) -> RangeGuard<'_> {
+        let end = offset.saturating_add(length);
+        loop {
+            let released = self.released.notified();
+            {
+                let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+                if !held.values().any(|&(s, e)| s < end && offset < e) {
+                    let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+                    held.insert(id, (offset, end));
+                    return RangeGuard { locks: self, id };
+                }
+            }
+            released.await;
+        }
+    }
+}
+
+impl RangeLocks {
+    /// Waits until no range is held.
+    async fn wait_idle(&self) {
+        loop {
+            let released = self.released.notified();
+            if self
+                .held
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_empty()
+            {
+                return;
+            }
+            released.await;
+        }
+    }
+}
+
+impl Drop for RangeGuard<'_> {
+    fn drop(&mut self) {
+        self.locks
+            .held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.id);
+        self.locks.released.notify_waiters();
+    }
+}

@@ -1,0 +1,998 @@
+//! The per-node metadata file: identity, generation identifiers, role and disk flags, the
+//! activity log of hot extents and the out-of-sync bitmap, all updated crash-safely.
+//!
+//! Layout (every record is checksummed with CRC32C and carries a sequence number):
+//!
+//! ```text
+//! 0        superblock slot 0      (4 KiB)  \ written alternately; the valid one with
+//! 4 KiB    superblock slot 1      (4 KiB)  / the higher sequence number wins
+//! 8 KiB    activity-log ring      (16 records of 4 KiB, newest valid record wins)
+//! 72 KiB   out-of-sync bitmaps    (one per peer, each a bit per 64 KiB region,
+//!                                  little-endian u64 words, 4 KiB-aligned)
+//! ```
+//!
+//! A superblock or activity-log write that is torn by a crash fails its checksum, so the
+//! previous record, still intact in the other slot, is used. The invariant that makes
+//! resync after any crash complete: every region that may differ from a peer is either
+//! set in the on-disk bitmap or inside an extent of the on-disk activity log. Writes go
+//! only to extents that are in the log on disk ([`Metadata::activate`] fdatasyncs first),
+//! and an extent leaves the log only after its bitmap bits are on disk. Opening metadata
+//! that was not closed cleanly marks every logged extent out of sync.
+
+use std::collections::BTreeSet;
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use super::generation::Generations;
+use super::wire::DiskState;
+
+/// Bytes covered by one bitmap bit: small enough that a write marks little for resync,
+/// large enough that a 1 TiB device needs only a 2 MiB bitmap per peer.
+pub const REGION_SIZE: u64 = 64 << 10;
+/// Bytes covered by one activity-log slot. 64 slots × 4 MiB bounds the resync after a
+/// crash to 256 MiB while sequential writes need a log update only every 4 MiB.
+pub const EXTENT_SIZE: u64 = 4 << 20;
+/// Extents the activity log holds.
+pub const AL_SLOTS: usize = 64;
+/// Records in the activity-log ring.
+const AL_RING: u64 = 16;
+const RECORD_SIZE: u64 = 4096;
+const SUPERBLOCK_MAGIC: u64 = 0x4e42_4c4b_4d45_5441; // "NBLKMETA"
+const AL_MAGIC: u32 = 0x4e42_414c; // "NBAL"
+const FORMAT_VERSION: u32 = 2;
+const AL_OFFSET: u64 = 2 * RECORD_SIZE;
+const BITMAP_OFFSET: u64 = AL_OFFSET + AL_RING * RECORD_SIZE;
+const REGIONS_PER_EXTENT: u64 = EXTENT_SIZE / REGION_SIZE;
+const BITMAP_PAGE: u64 = 4096;
+
+mod flag {
+    pub const PRIMARY: u32 = 1 << 0;
+    /// The node shut down cleanly: the activity log needs no recovery.
+    pub const CLEAN: u32 = 1 << 1;
+    pub const DISK_SHIFT: u32 = 8;
+}
+
+/// A metadata failure, with the file it concerns.
+#[derive(Debug, thiserror::Error)]
+pub enum MetaError {
+    #[error("metadata {path}: {op}: {source}")]
+    Io {
+        path: PathBuf,
+        op: &'static str,
+        source: std::io::Error,
+    },
+    #[error(
+        "metadata {path}: no valid superblock (not netblk metadata, or both copies are damaged)"
+    )]
+    NoSuperblock { path: PathBuf },
+    #[error("metadata {path} belongs to {what} {found:?}, not {expected:?}")]
+    WrongIdentity {
+        path: PathBuf,
+        what: &'static str,
+        found: String,
+        expected: String,
+    },
+    #[error("metadata {path} is for a device of {found} bytes, the backing has {expected}")]
+    WrongSize {
+        path: PathBuf,
+        found: u64,
+        expected: u64,
+    },
+    #[error("the activity log is full of extents with writes in flight")]
+    ActivityLogBusy,
+}
+
+/// What the superblock holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Superblock {
+    pub node: String,
+    pub resource: String,
+    /// The peers, in the order of their bitmaps.
+    pub peers: Vec<String>,
+    pub size: u64,
+    pub generations: Generations,
+    pub primary: bool,
+    pub disk: DiskState,
+    pub clean: bool,
+}
+
+/// The open metadata of one node. Its methods do blocking file I/O.
+#[derive(Debug)]
+pub struct Metadata {
+    file: File,
+    path: PathBuf,
+    superblock: Superblock,
+    superblock_seq: u64,
+    /// Extents in the on-disk log, in least-recently-used-first order.
+    al_extents: Vec<u64>,
+    /// Writes in flight per logged extent (same order as `al_extents`).
+    al_refs: Vec<u32>,
+    al_seq: u64,
+    /// One bitmap per peer: the regions that peer misses.
+    bitmaps: Vec<Vec<u64>>,
+    regions: u64,
+    /// Bytes of one peer's bitmap on disk.
+    bitmap_bytes: u64,
+    /// Changed pages as (peer, page).
+    dirty_pages: BTreeSet<(usize, u64)>,
+    /// Extents the log held when metadata that was not closed cleanly was opened.
+    recovered_extents: usize,
+}
+
+impl Metadata {
+    /// Opens the metadata at `path`, creating it for a fresh node if there is none. An
+    /// existing file must name the same node, resource, peers and size.
+    pub fn open_or_create(
+        path: &Path,
+        node: &str,
+        resource: &str,
+        peers: &[String],
+        size: u64,
+    ) -> Result<Metadata, MetaError> {
+        let metadata = if path.exists() {
+            Metadata::open(path)?
+        } else {
+            Metadata::create(path, node, resource, peers, size)?
+        };
+        let check = |what, found: &str, expected: &str| {
+            if found == expected {
+                Ok(())
+            } else {
+                Err(MetaError::WrongIdentity {
+                    path: path.to_path_buf(),
+                    what,
+                    found: found.to_string(),
+                    expected: expected.to_string(),
+                })
+            }
+        };
+        check("node", &metadata.superblock.node, node)?;
+        check("resource", &metadata.superblock.resource, resource)?;
+        check(
+            "peers",
+            &metadata.superblock.peers.join(","),
+            &peers.join(","),
+        )?;
+        if metadata.superblock.size != size {
+            return Err(MetaError::WrongSize {
+                path: path.to_path_buf(),
+                found: metadata.superblock.size,
+                expected: size,
+            });
+        }
+        Ok(metadata)
+    }
+
+    /// Creates fresh metadata: just-created generation, secondary, nothing out of sync.
+    pub fn create(
+        path: &Path,
+        node: &str,
+        resource: &str,
+        peers: &[String],
+        size: u64,
+    ) -> Result<Metadata, MetaError> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(path)
+            .map_err(io_err(path, "creating"))?;
+        let regions = size.div_ceil(REGION_SIZE);
+        let bitmap_bytes = bitmap_bytes(regions);
+        file.set_len(BITMAP_OFFSET + bitmap_bytes * peers.len() as u64)
+            .map_err(io_err(path, "sizing"))?;
+        let mut metadata = Metadata {
+            file,
+            path: path.to_path_buf(),
+            superblock: Superblock {
+                node: node.to_string(),
+                resource: resource.to_string(),
+                peers: peers.to_vec(),
+                size,
+                generations: Generations::just_created(),
+                primary: false,
+                disk: DiskState::Outdated,
+                clean: true,
+            },
+            superblock_seq: 0,
+            al_extents: Vec::new(),
+            al_refs: Vec::new(),
+            al_seq: 0,
+            bitmaps: vec![vec![0; regions.div_ceil(64) as usize]; peers.len()],
+            regions,
+            bitmap_bytes,
+            dirty_pages: BTreeSet::new(),
+            recovered_extents: 0,
+        };
+        // Both slots, so a torn first update still finds a valid superblock.
+        metadata.write_superblock()?;
+        metadata.write_superblock()?;
+        metadata.write_activity_log()?;
+        Ok(metadata)
+    }
+
+    /// Opens existing metadata. If it was not closed cleanly, every extent in the
+    /// activity log is marked out of sync (and that is made durable).
+    pub fn open(path: &Path) -> Result<Metadata, MetaError> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(io_err(path, "opening"))?;
+        let mut best: Option<(u64, Superblock)> = None;
+        for slot in 0..2 {
+            let mut record = vec![0u8; RECORD_SIZE as usize];
+            if read_record(&file, slot * RECORD_SIZE, &mut record)
+                .map_err(io_err(path, "reading"))?
+            {
+                if let Some((seq, superblock)) = decode_superblock(&record) {
+                    if best.as_ref().map_or(true, |(best_seq, _)| seq > *best_seq) {
+                        best = Some((seq, superblock));
+                    }
+                }
+            }
+        }
+        let Some((superblock_seq, superblock)) = best else {
+            return Err(MetaError::NoSuperblock {
+                path: path.to_path_buf(),
+            });
+        };
+        let mut al: Option<(u64, Vec<u64>)> = None;
+        for index in 0..AL_RING {
+            let mut record = vec![0u8; RECORD_SIZE as usize];
+            if read_record(&file, AL_OFFSET + index * RECORD_SIZE, &mut record)
+                .map_err(io_err(path, "reading"))?
+            {
+                if let Some((seq, extents)) = decode_activity_log(&record) {
+                    if al.as_ref().map_or(true, |(best_seq, _)| seq > *best_seq) {
+                        al = Some((seq, extents));
+                    }
+                }
+            }
+        }
+        let (al_seq, al_extents) = al.unwrap_or_default();
+        let regions = superblock.size.div_ceil(REGION_SIZE);
+        let bitmap_bytes = bitmap_bytes(regions);
+        let words = regions.div_ceil(64) as usize;
+        let mut bitmaps = Vec::new();
+        for peer in 0..superblock.peers.len() as u64 {
+            let mut raw = vec![0u8; words * 8];
+            file.read_exact_at(&mut raw, BITMAP_OFFSET + peer * bitmap_bytes)
+                .map_err(io_err(path, "reading the bitmap"))?;
+            bitmaps.push(
+                raw.chunks_exact(8)
+                    .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
+                    .collect(),
+            );
+        }
+        let was_clean = superblock.clean;
+        let mut metadata = Metadata {
+            file,
+            path: path.to_path_buf(),
+            superblock,
+            superblock_seq,
+            al_refs: vec![0; al_extents.len()],
+            al_extents,
+            al_seq,
+            bitmaps,
+            regions,
+            bitmap_bytes,
+            dirty_pages: BTreeSet::new(),
+            recovered_extents: 0,
+        };
+        if !was_clean {
+            let extents = metadata.al_extents.clone();
+            for extent in &extents {
+                metadata.mark_out_of_sync_for_all(extent * EXTENT_SIZE, EXTENT_SIZE);
+            }
+            metadata.recovered_extents = extents.len();
+            metadata.flush_bitmap()?;
+        }
+        Ok(metadata)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn superblock(&self) -> &Superblock {
+        &self.superblock
+    }
+
+    /// Extents marked out of sync because the last shutdown was not clean.
+    pub fn recovered_extents(&self) -> usize {
+        self.recovered_extents
+    }
+
+    /// Changes the superblock and makes the change durable.
+    pub fn update(&mut self, change: impl FnOnce(&mut Superblock)) -> Result<(), MetaError> {
+        change(&mut self.superblock);
+        self.write_superblock()
+    }
+
+    /// Marks the metadata in use (not clean) or, after writing the bitmap, cleanly closed.
+    pub fn set_clean(&mut self, clean: bool) -> Result<(), MetaError> {
+        if clean {
+            self.flush_bitmap()?;
+        }
+        self.update(|sb| sb.clean = clean)
+    }
+
+    fn write_superblock(&mut self) -> Result<(), MetaError> {
+        self.superblock_seq += 1;
+        let record = encode_superblock(self.superblock_seq, &self.superblock);
+        let slot = self.superblock_seq % 2;
+        self.file
+            .write_all_at(&record, slot * RECORD_SIZE)
+            .map_err(io_err(&self.path, "writing the superblock"))?;
+        self.file.sync_data().map_err(io_err(&self.path, "syncing"))
+    }
+
+    // ---- activity log ----
+
+    /// The extents a byte range touches.
+    pub fn extents_of(offset: u64, length: u64) -> std::ops::RangeInclusive<u64> {
+        let last = offset + length.max(1) - 1;
+        offset / EXTENT_SIZE..=last / EXTENT_SIZE
+    }
+
+    /// Whether every extent of the range is already in the on-disk log (so a write there
+    /// needs no log update). Does not take a reference.
+    pub fn is_active(&self, extents: &std::ops::RangeInclusive<u64>) -> bool {
+        extents.clone().all(|e| self.al_extents.contains(&e))
+    }
+
+    /// Takes a reference on every extent of the range for a write about to be submitted,
+    /// logging (and fdatasyncing) any that are not in the log yet. Extents without writes
+    /// in flight are evicted, least recently used first, after their bitmap bits are
+    /// durable. [`MetaError::ActivityLogBusy`] means: wait for writes to finish, retry.
+    pub fn activate(&mut self, extents: std::ops::RangeInclusive<u64>) -> Result<(), MetaError> {
+        let missing: Vec<u64> = extents
+            .clone()
+            .filter(|e| !self.al_extents.contains(e))
+            .collect();
+        let free = AL_SLOTS - self.al_extents.len();
+        let idle: Vec<usize> = (0..self.al_extents.len())
+            .filter(|&i| self.al_refs[i] == 0 && !extents.contains(&self.al_extents[i]))
+            .collect();
+        if missing.len() > free + idle.len() {
+            return Err(MetaError::ActivityLogBusy);
+        }
+        if !missing.is_empty() {
+            let evict_count = missing.len().saturating_sub(free);
+            let victims: Vec<usize> = idle.into_iter().take(evict_count).collect();
+            for &i in &victims {
+                self.flush_bitmap_extent(self.al_extents[i])?;
+            }
+            if !victims.is_empty() {
+                self.sync()?;
+            }
+            for &i in victims.iter().rev() {
+                self.al_extents.remove(i);
+                self.al_refs.remove(i);
+            }
+            for extent in missing {
+                self.al_extents.push(extent);
+                self.al_refs.push(0);
+            }
+            self.write_activity_log()?;
+        }
+        // Most recently used moves to the back.
+        for extent in extents {
+            let i = self
+                .al_extents
+                .iter()
+                .position(|&e| e == extent)
+                .expect("activated above");
+            let refs = self.al_refs.remove(i) + 1;
+            self.al_extents.remove(i);
+            self.al_extents.push(extent);
+            self.al_refs.push(refs);
+        }
+        Ok(())
+    }
+
+    /// Drops the references [`Metadata::activate`] took.
+    pub fn release(&mut self, extents: std::ops::RangeInclusive<u64>) {
+        for extent in extents {
+            if let Some(i) = self.al_extents.iter().position(|&e| e == extent) {
+                self.al_refs[i] = self.al_refs[i].saturating_sub(1);
+            }
+        }
+    }
+
+    /// Extents in the on-disk log.
+    pub fn logged_extents(&self) -> &[u64] {
+        &self.al_extents
+    }
+
+    fn write_activity_log(&mut self) -> Result<(), MetaError> {
+        self.al_seq += 1;
+        let record = encode_activity_log(self.al_seq, &self.al_extents);
+        let offset = AL_OFFSET + (self.al_seq % AL_RING) * RECORD_SIZE;
+        self.file
+            .write_all_at(&record, offset)
+            .map_err(io_err(&self.path, "writing the activity log"))?;
+        self.file.sync_data().map_err(io_err(&self.path, "syncing"))
+    }
+
+    // ---- bitmap ----
+
+    /// Number of regions (bits).
+    pub fn regions(&self) -> u64 {
+        self.regions
+    }
+
+    /// Number of peers (bitmaps).
+    pub fn peer_count(&self) -> usize {
+        self.bitmaps.len()
+    }
+
+    /// Marks every region a byte range touches as missed by `peer` (in memory; durable
+    /// at the latest when its extent leaves the activity log or at
+    /// [`Metadata::flush_bitmap`]).
+    pub fn mark_out_of_sync(&mut self, peer: usize, offset: u64, length: u64) {
+        if length == 0 || offset >= self.superblock.size {
+            return;
+        }
+        let end = (offset + length).min(self.superblock.size);
+        for region in offset / REGION_SIZE..end.div_ceil(REGION_SIZE) {
+            self.set_bit(peer, region, true);
+        }
+    }
+
+    /// Marks a byte range as missed by every peer.
+    pub fn mark_out_of_sync_for_all(&mut self, offset: u64, length: u64) {
+        for peer in 0..self.peer_count() {
+            self.mark_out_of_sync(peer, offset, length);
+        }
+    }
+
+    /// Marks every region of the device as missed by `peer` (a full resync).
+    pub fn mark_all_out_of_sync(&mut self, peer: usize) {
+        for region in 0..self.regions {
+            self.set_bit(peer, region, true);
+        }
+    }
+
+    /// Clears every bitmap (this node now equals its resync source).
+    pub fn mark_all_in_sync(&mut self) {
+        for peer in 0..self.peer_count() {
+            for region in 0..self.regions {
+                self.set_bit(peer, region, false);
+            }
+        }
+    }
+
+    /// Marks one region in sync with `peer`.
+    pub fn mark_in_sync(&mut self, peer: usize, region: u64) {
+        self.set_bit(peer, region, false);
+    }
+
+    pub fn is_out_of_sync(&self, peer: usize, region: u64) -> bool {
+        region < self.regions
+            && self.bitmaps[peer][(region / 64) as usize] & (1 << (region % 64)) != 0
+    }
+
+    /// Whether any peer misses the region.
+    fn is_out_of_sync_for_any(&self, region: u64) -> bool {
+        (0..self.peer_count()).any(|peer| self.is_out_of_sync(peer, region))
+    }
+
+    /// The first region at or after `from` that `peer` misses.
+    pub fn next_out_of_sync(&self, peer: usize, from: u64) -> Option<u64> {
+        (from..self.regions).find(|&r| self.is_out_of_sync(peer, r))
+    }
+
+    /// Regions `peer` misses.
+    pub fn out_of_sync_regions(&self, peer: usize) -> u64 {
+        self.bitmaps[peer]
+            .iter()
+            .map(|w| u64::from(w.count_ones()))
+            .sum()
+    }
+
+    /// Bytes `peer` misses (the last region may be partial).
+    pub fn out_of_sync_bytes(&self, peer: usize) -> u64 {
+        self.bytes_of(
+            self.out_of_sync_regions(peer),
+            self.is_out_of_sync(peer, self.regions - 1),
+        )
+    }
+
+    /// Bytes some peer misses.
+    pub fn out_of_sync_bytes_for_any(&self) -> u64 {
+        let regions = (0..self.regions.div_ceil(64) as usize)
+            .map(|w| {
+                let word = self.bitmaps.iter().fold(0, |acc, b| acc | b[w]);
+                u64::from(word.count_ones())
+            })
+            .sum();
+        self.bytes_of(regions, self.is_out_of_sync_for_any(self.regions - 1))
+    }
+
+    fn bytes_of(&self, regions: u64, last_is_set: bool) -> u64 {
+        let mut bytes = regions * REGION_SIZE;
+        let tail = self.superblock.size % REGION_SIZE;
+        if tail != 0 && last_is_set {
+            bytes -= REGION_SIZE - tail;
+        }
+        bytes
+    }
+
+    /// Runs of bytes some peer misses, as (offset, length), in order.
+    pub fn out_of_sync_runs(&self) -> Vec<(u64, u64)> {
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        let mut region = 0;
+        while let Some(first) = (region..self.regions).find(|&r| self.is_out_of_sync_for_any(r)) {
+            let mut end = first + 1;
+            while end < self.regions && self.is_out_of_sync_for_any(end) {
+                end += 1;
+            }
+            let offset = first * REGION_SIZE;
+            let length = (end * REGION_SIZE).min(self.superblock.size) - offset;
+            runs.push((offset, length));
+            region = end;
+        }
+        runs
+    }
+
+    fn set_bit(&mut self, peer: usize, region: u64, value: bool) {
+        let word = (region / 64) as usize;
+        let mask = 1u64 << (region % 64);
+        let bitmap = &mut self.bitmaps[peer];
+        let old = bitmap[word];
+        bitmap[word] = if value { old | mask } else { old & !mask };
+        if bitmap[word] != old {
+            self.dirty_pages
+                .insert((peer, word as u64 * 8 / BITMAP_PAGE));
+        }
+    }
+
+    fn write_bitmap_page(&mut self, peer: usize, page: u64) -> Result<(), MetaError> {
+        let words_per_page = (BITMAP_PAGE / 8) as usize;
+        let bitmap = &self.bitmaps[peer];
+        let first = page as usize * words_per_page;
+        let last = (first + words_per_page).min(bitmap.len());
+        let bytes: Vec<u8> = bitmap[first..last]
+            .iter()
+            .flat_map(|w| w.to_le_bytes())
+            .collect();
+        let offset = BITMAP_OFFSET + peer as u64 * self.bitmap_bytes + page * BITMAP_PAGE;
+        self.file
+            .write_all_at(&bytes, offset)
+            .map_err(io_err(&self.path, "writing the bitmap"))
+    }
+
+    fn flush_bitmap_extent(&mut self, extent: u64) -> Result<(), MetaError> {
+        let word = extent * REGIONS_PER_EXTENT / 64;
+        let page = word * 8 / BITMAP_PAGE;
+        for peer in 0..self.peer_count() {
+            if self.dirty_pages.remove(&(peer, page)) {
+                self.write_bitmap_page(peer, page)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes every changed bitmap page and fdatasyncs.
+    pub fn flush_bitmap(&mut self) -> Result<(), MetaError> {
+        let pages = std::mem::take(&mut self.dirty_pages);
+        for (peer, page) in pages {
+            self.write_bitmap_page(peer, page)?;
+        }
+        self.sync()
+    }
+
+    fn sync(&self) -> Result<(), MetaError> {
+        self.file.sync_data().map_err(io_err(&self.path, "syncing"))
+    }
+}
+
+/// Bytes of one peer's bitmap on disk: a bit per region, whole pages.
+fn bitmap_bytes(regions: u64) -> u64 {
+    regions.div_ceil(8).next_multiple_of(BITMAP_PAGE)
+}
+
+/// Wraps an I/O error with the metadata path and what was being done.
+fn io_err(path: &Path, op: &'static str) -> impl FnOnce(std::io::Error) -> MetaError {
+    let path = path.to_path_buf();
+    move |source| MetaError::Io { path, op, source }
+}
+
+/// Reads one record; `false` if the file is too short to hold it.
+fn read_record(file: &File, offset: u64, record: &mut [u8]) -> std::io::Result<bool> {
+    match file.read_exact_at(record, offset) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Appends the CRC32C of `body` and pads to a record.
+fn seal(mut body: Vec<u8>) -> Vec<u8> {
+    let crc = crc32c::crc32c(&body);
+    body.extend_from_slice(&crc.to_be_bytes());
+    assert!(body.len() <= RECORD_SIZE as usize, "record overflow");
+    body.resize(RECORD_SIZE as usize, 0);
+    body
+}
+
+/// The checked body of a sealed record whose body is `len` bytes long.
+fn unseal(record: &[u8], len: usize) -> Option<&[u8]> {
+    let crc = u32::from_be_bytes(record.get(len..len + 4)?.try_into().ok()?);
+    (crc32c::crc32c(&record[..len]) == crc).then(|| &record[..len])
+}
+
+fn encode_superblock(seq: u64, sb: &Superblock) -> Vec<u8> {
+    let mut body = Vec::with_capacity(256);
+    body.extend_from_slice(&SUPERBLOCK_MAGIC.to_be_bytes());
+    body.extend_from_slice(&FORMAT_VERSION.to_be_bytes());
+    body.extend_from_slice(&seq.to_be_bytes());
+    body.extend_from_slice(&(REGION_SIZE as u32).to_be_bytes());
+    body.extend_from_slice(&(EXTENT_SIZE as u32).to_be_bytes());
+    body.extend_from_slice(&sb.size.to_be_bytes());
+    let disk = match sb.disk {
+        DiskState::UpToDate => 1,
+        DiskState::Outdated => 2,
+        DiskState::Inconsistent => 3,
+    };
+    let mut flags = disk << flag::DISK_SHIFT;
+    if sb.primary {
+        flags |= flag::PRIMARY;
+    }
+    if sb.clean {
+        flags |= flag::CLEAN;
+    }
+    body.extend_from_slice(&flags.to_be_bytes());
+    for g in [
+        sb.generations.current,
+        sb.generations.bitmap,
+        sb.generations.history[0],
+        sb.generations.history[1],
+    ] {
+        body.extend_from_slice(&g.to_be_bytes());
+    }
+    body.push(sb.peers.len() as u8);
+    for text in [&sb.node, &sb.resource].into_iter().chain(&sb.peers) {
+        body.extend_from_slice(&(text.len() as u16).to_be_bytes());
+        body.extend_from_slice(text.as_bytes());
+    }
+    let len = body.len() as u16;
+    let mut record = len.to_be_bytes().to_vec();
+    record.extend(body);
+    seal(record)
+}
+
+fn decode_superblock(record: &[u8]) -> Option<(u64, Superblock)> {
+    let len = usize::from(u16::from_be_bytes(record.get(..2)?.try_into().ok()?));
+    let body = unseal(record, 2 + len)?;
+    let mut r = &body[2..];
+    let mut take = |n: usize| -> Option<&[u8]> {
+        let (head, tail) = r.split_at_checked(n)?;
+        r = tail;
+        Some(head)
+    };
+    let u64_of = |b: &[u8]| u64::from_be_bytes(b.try_into().expect("8 bytes"));
+    let u32_of = |b: &[u8]| u32::from_be_bytes(b.try_into().expect("4 bytes"));
+    if u64_of(take(8)?) != SUPERBLOCK_MAGIC || u32_of(take(4)?) != FORMAT_VERSION {
+        return None;
+    }
+    let seq = u64_of(take(8)?);
+    if u32_of(take(4)?) as u64 != REGION_SIZE || u32_of(take(4)?) as u64 != EXTENT_SIZE {
+        return None;
+    }
+    let size = u64_of(take(8)?);
+    let flags = u32_of(take(4)?);
+    let disk = match flags >> flag::DISK_SHIFT & 0xff {
+        1 => DiskState::UpToDate,
+        2 => DiskState::Outdated,
+        3 => DiskState::Inconsistent,
+        _ => return None,
+    };
+    let generations = Generations {
+        current: u64_of(take(8)?),
+        bitmap: u64_of(take(8)?),
+        history: [u64_of(take(8)?), u64_of(take(8)?)],
+    };
+    let peer_count = usize::from(*take(1)?.first()?);
+    let mut text = || -> Option<String> {
+        let n = usize::from(u16::from_be_bytes(take(2)?.try_into().ok()?));
+        String::from_utf8(take(n)?.to_vec()).ok()
+    };
+    let node = text()?;
+    let resource = text()?;
+    let peers = (0..peer_count)
+        .map(|_| text())
+        .collect::<Option<Vec<_>>>()?;
+    Some((
+        seq,
+        Superblock {
+            node,
+            resource,
+            peers,
+            size,
+            generations,
+            primary: flags & flag::PRIMARY != 0,
+            disk,
+            clean: flags & flag::CLEAN != 0,
+        },
+    ))
+}
+
+fn encode_activity_log(seq: u64, extents: &[u64]) -> Vec<u8> {
+    let mut body = Vec::with_capacity(16 + extents.len() * 8);
+    body.extend_from_slice(&AL_MAGIC.to_be_bytes());
+    body.extend_from_slice(&seq.to_be_bytes());
+    body.extend_from_slice(&(extents.len() as u32).to_be_bytes());
+    for extent in extents {
+        body.extend_from_slice(&extent.to_be_bytes());
+    }
+    seal(body)
+}
+
+fn decode_activity_log(record: &[u8]) -> Option<(u64, Vec<u64>)> {
+    if u32::from_be_bytes(record.get(..4)?.try_into().ok()?) != AL_MAGIC {
+        return None;
+    }
+    let count = u32::from_be_bytes(record.get(12..16)?.try_into().ok()?) as usize;
+    if count > AL_SLOTS {
+        return None;
+    }
+    let body = unseal(record, 16 + count * 8)?;
+    let seq = u64::from_be_bytes(body[4..12].try_into().ok()?);
+    let extents = body[16..]
+        .chunks_exact(8)
+        .map(|c| u64::from_be_bytes(c.try_into().expect("8 bytes")))
+        .collect();
+    Some((seq, extents))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SIZE: u64 = 1 << 30;
+
+    fn peers() -> Vec<String> {
+        vec!["beta".into(), "gamma".into()]
+    }
+
+    fn fresh(dir: &tempfile::TempDir) -> (PathBuf, Metadata) {
+        let path = dir.path().join("node.meta");
+        let metadata = Metadata::open_or_create(&path, "alpha", "r0", &peers(), SIZE).unwrap();
+        (path, metadata)
+    }
+
+    #[test]
+    fn fresh_metadata_reopens_with_the_same_identity_and_state() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, mut metadata) = fresh(&dir);
+        assert_eq!(
+            metadata.superblock().generations,
+            Generations::just_created()
+        );
+        assert_eq!(metadata.out_of_sync_bytes(0), 0);
+        metadata
+            .update(|sb| {
+                sb.generations.current = 99;
+                sb.primary = true;
+                sb.disk = DiskState::UpToDate;
+            })
+            .unwrap();
+        metadata.mark_out_of_sync(0, REGION_SIZE * 3 + 1, 10);
+        metadata.set_clean(true).unwrap();
+        drop(metadata);
+        let metadata = Metadata::open_or_create(&path, "alpha", "r0", &peers(), SIZE).unwrap();
+        let sb = metadata.superblock();
+        assert_eq!(sb.generations.current, 99);
+        assert!(sb.primary && sb.clean);
+        assert_eq!(sb.disk, DiskState::UpToDate);
+        assert!(metadata.is_out_of_sync(0, 3));
+        assert_eq!(metadata.out_of_sync_regions(0), 1);
+        assert_eq!(metadata.recovered_extents(), 0);
+    }
+
+    #[test]
+    fn identity_mismatches_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, metadata) = fresh(&dir);
+        drop(metadata);
+        let e = Metadata::open_or_create(&path, "beta", "r0", &peers(), SIZE).unwrap_err();
+        assert!(e.to_string().contains("\"alpha\""), "{e}");
+        let e = Metadata::open_or_create(&path, "alpha", "r1", &peers(), SIZE).unwrap_err();
+        assert!(e.to_string().contains("resource"), "{e}");
+        let e = Metadata::open_or_create(&path, "alpha", "r0", &peers(), SIZE * 2).unwrap_err();
+        assert!(matches!(e, MetaError::WrongSize { .. }), "{e}");
+        std::fs::write(dir.path().join("junk"), vec![7u8; 100_000]).unwrap();
+        let e = Metadata::open(&dir.path().join("junk")).unwrap_err();
+        assert!(matches!(e, MetaError::NoSuperblock { .. }), "{e}");
+    }
+
+    #[test]
+    fn a_torn_superblock_write_recovers_the_previous_state() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, mut metadata) = fresh(&dir);
+        metadata.update(|sb| sb.generations.current = 11).unwrap();
+        let seq = metadata.superblock_seq;
+        metadata.update(|sb| sb.generations.current = 22).unwrap();
+        drop(metadata);
+        // Tear the newest slot: its second half never reached the disk.
+        let newest_slot = (seq + 1) % 2;
+        let file = OpenOptions::new().write(true).open(&path).unwrap();
+        file.write_all_at(&[0xee; 2048], newest_slot * RECORD_SIZE + 40)
+            .unwrap();
+        let metadata = Metadata::open(&path).unwrap();
+        assert_eq!(metadata.superblock().generations.current, 11);
+    }
+
+    #[test]
+    fn a_file_cut_short_is_an_error_not_an_empty_bitmap() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, metadata) = fresh(&dir);
+        drop(metadata);
+        let file = OpenOptions::new().write(true).open(&path).unwrap();
+        file.set_len(BITMAP_OFFSET + 100).unwrap();
+        drop(file);
+        let e = Metadata::open(&path).unwrap_err();
+        assert!(matches!(e, MetaError::Io { .. }), "{e}");
+    }
+
+    #[test]
+    fn an_unclean_shutdown_marks_every_logged_extent_out_of_sync() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, mut metadata) = fresh(&dir);
+        metadata.set_clean(false).unwrap();
+        let first = Metadata::extents_of(0, 4096);
+        let spanning = Metadata::extents_of(3 * EXTENT_SIZE - 512, 1024);
+        metadata.activate(first.clone()).unwrap();
+        metadata.activate(spanning.clone()).unwrap();
+        metadata.release(first);
+        assert_eq!(metadata.logged_extents(), &[0, 2, 3]);
+        // Crash: no clean close.
+        drop(metadata);
+        let metadata = Metadata::open(&path).unwrap();
+        assert_eq!(metadata.recovered_extents(), 3);
+        assert_eq!(
+            metadata.out_of_sync_bytes(0),
+            3 * EXTENT_SIZE,
+            "exactly the logged extents, not the whole device"
+        );
+        assert!(metadata.is_out_of_sync(0, 0));
+        assert!(!metadata.is_out_of_sync(0, REGIONS_PER_EXTENT));
+        assert!(metadata.is_out_of_sync(0, 2 * REGIONS_PER_EXTENT));
+    }
+
+    #[test]
+    fn a_torn_activity_log_record_falls_back_to_the_previous_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, mut metadata) = fresh(&dir);
+        metadata.set_clean(false).unwrap();
+        metadata.activate(Metadata::extents_of(0, 1)).unwrap();
+        let torn_seq = metadata.al_seq + 1;
+        metadata
+            .activate(Metadata::extents_of(5 * EXTENT_SIZE, 1))
+            .unwrap();
+        drop(metadata);
+        // The second transaction was torn: the write to extent 5 was never submitted
+        // (activate returns before it), so the previous record is the truth.
+        let file = OpenOptions::new().write(true).open(&path).unwrap();
+        let offset = AL_OFFSET + (torn_seq % AL_RING) * RECORD_SIZE;
+        file.write_all_at(&[0xff; 8], offset + 24).unwrap();
+        let metadata = Metadata::open(&path).unwrap();
+        assert_eq!(metadata.logged_extents(), &[0]);
+        assert_eq!(metadata.out_of_sync_bytes(0), EXTENT_SIZE);
+    }
+
+    #[test]
+    fn evicted_extents_keep_their_bits_through_a_crash() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, mut metadata) = fresh(&dir);
+        metadata.set_clean(false).unwrap();
+        // A degraded write to extent 0: the bit is set only in memory.
+        let first = Metadata::extents_of(0, 4096);
+        metadata.activate(first.clone()).unwrap();
+        metadata.mark_out_of_sync(0, 0, 4096);
+        metadata.release(first);
+        // Fill the log until extent 0 is evicted.
+        for extent in 1..=AL_SLOTS as u64 {
+            let range = Metadata::extents_of(extent * EXTENT_SIZE, 1);
+            metadata.activate(range.clone()).unwrap();
+            metadata.release(range);
+        }
+        assert!(!metadata.logged_extents().contains(&0));
+        drop(metadata);
+        let metadata = Metadata::open(&path).unwrap();
+        assert!(
+            metadata.is_out_of_sync(0, 0),
+            "the evicted extent's bit was made durable"
+        );
+        assert_eq!(metadata.recovered_extents(), AL_SLOTS);
+    }
+
+    #[test]
+    fn a_log_full_of_busy_extents_says_so() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_path, mut metadata) = fresh(&dir);
+        for extent in 0..AL_SLOTS as u64 {
+            metadata
+                .activate(Metadata::extents_of(extent * EXTENT_SIZE, 1))
+                .unwrap();
+        }
+        let next = Metadata::extents_of(AL_SLOTS as u64 * EXTENT_SIZE, 1);
+        assert!(matches!(
+            metadata.activate(next.clone()),
+            Err(MetaError::ActivityLogBusy)
+        ));
+        metadata.release(Metadata::extents_of(0, 1));
+        metadata.activate(next).unwrap();
+        assert!(!metadata.logged_extents().contains(&0));
+        // Re-activating a logged extent needs no log write.
+        let seq = metadata.al_seq;
+        metadata
+            .activate(Metadata::extents_of(EXTENT_SIZE, 1))
+            .unwrap();
+        assert_eq!(metadata.al_seq, seq);
+    }
+
+    #[test]
+    fn each_peer_has_its_own_bitmap_and_a_crash_marks_all_of_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, mut metadata) = fresh(&dir);
+        assert_eq!(metadata.peer_count(), 2);
+        metadata.set_clean(false).unwrap();
+        // Gamma is away for one write, beta for another.
+        metadata.mark_out_of_sync(1, 0, 4096);
+        metadata.mark_out_of_sync(0, 10 * EXTENT_SIZE, 4096);
+        assert_eq!(metadata.out_of_sync_bytes(0), REGION_SIZE);
+        assert_eq!(metadata.out_of_sync_bytes(1), REGION_SIZE);
+        assert_eq!(metadata.out_of_sync_bytes_for_any(), 2 * REGION_SIZE);
+        assert_eq!(
+            metadata.out_of_sync_runs(),
+            [(0, REGION_SIZE), (10 * EXTENT_SIZE, REGION_SIZE)]
+        );
+        // Resyncing beta clears only beta's bits.
+        metadata.mark_in_sync(0, 10 * EXTENT_SIZE / REGION_SIZE);
+        assert_eq!(metadata.out_of_sync_bytes(0), 0);
+        assert_eq!(metadata.out_of_sync_bytes(1), REGION_SIZE);
+        let hot = Metadata::extents_of(EXTENT_SIZE, 1);
+        metadata.activate(hot).unwrap();
+        metadata.flush_bitmap().unwrap();
+        drop(metadata);
+        // After a crash, the logged extent is missed by both peers; gamma's bit stayed.
+        let metadata = Metadata::open(&path).unwrap();
+        assert_eq!(metadata.out_of_sync_bytes(0), EXTENT_SIZE);
+        assert_eq!(metadata.out_of_sync_bytes(1), EXTENT_SIZE + REGION_SIZE);
+        drop(metadata);
+        let e = Metadata::open_or_create(&path, "alpha", "r0", &["beta".into()], SIZE).unwrap_err();
+        assert!(e.to_string().contains("peers"), "{e}");
+    }
+
+    #[test]
+    fn bitmap_counts_and_partial_last_region() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("small.meta");
+        let size = 3 * REGION_SIZE + 512;
+        let mut metadata = Metadata::create(&path, "a", "r", &peers(), size).unwrap();
+        assert_eq!(metadata.regions(), 4);
+        metadata.mark_all_out_of_sync(0);
+        assert_eq!(metadata.out_of_sync_bytes(0), size);
+        metadata.mark_in_sync(0, 1);
+        assert_eq!(metadata.next_out_of_sync(0, 1), Some(2));
+        assert_eq!(metadata.out_of_sync_regions(0), 3);
+        metadata.mark_out_of_sync(0, size, 100);
+        assert_eq!(metadata.out_of_sync_regions(0), 3);
+        assert_eq!(
+            metadata.out_of_sync_runs(),
+            [(0, REGION_SIZE), (2 * REGION_SIZE, REGION_SIZE + 512)]
+        );
+        assert_eq!(
+            metadata.out_of_sync_bytes(1),
+            0,
+            "the other peer misses nothing"
+        );
+        metadata.mark_all_in_sync();
+        assert_eq!(metadata.out_of_sync_runs(), []);
+    }
+}

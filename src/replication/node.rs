@@ -1,0 +1,133 @@
+//! One node of a replicated resource: opens its backing and metadata, binds the NBD and
+//! replication listeners, and runs both until shutdown.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::watch;
+use tracing::{info, warn};
+
+use super::config::ResourceConfig;
+use super::control::{bind_control, run_control};
+use super::layer::{ReplicatedBackend, Shared};
+use super::meta::Metadata;
+use super::peer::run_replication;
+use crate::server::{serve, Export, Listener, ServerConfig};
+
+/// A node with its listeners bound, ready to serve.
+pub struct Node {
+    pub shared: Arc<Shared>,
+    replication: TcpListener,
+    clients: Listener,
+    control: UnixListener,
+    control_path: PathBuf,
+    handshake_timeout: Duration,
+}
+
+impl Node {
+    /// Opens node `name` of `resource` and binds its listeners; with `primary` it is
+    /// promoted first (refused if its data may be older than a peer's).
+    pub async fn bind(
+        resource: ResourceConfig,
+        name: &str,
+        primary: bool,
+        handshake_timeout: Duration,
+    ) -> anyhow::Result<Node> {
+        let me = resource.node(name).map_err(anyhow::Error::msg)?.clone();
+        let backend = me
+            .backing
+            .open(resource.size, false, me.cache)
+            .with_context(|| format!("node {name:?} backing"))?;
+        let size = backend.size();
+        let (path, node, resource_name) =
+            (me.metadata.clone(), name.to_string(), resource.name.clone());
+        let peers: Vec<String> = resource.peers_of(name).map(|n| n.name.clone()).collect();
+        let meta = tokio::task::spawn_blocking(move || {
+            Metadata::open_or_create(&path, &node, &resource_name, &peers, size)
+        })
+        .await
+        .context("metadata task")??;
+        if meta.recovered_extents() > 0 {
+            warn!(
+                "the last shutdown was not clean: {} hot extents marked out of sync",
+                meta.recovered_extents()
+            );
+        }
+        let shared = Shared::new(backend, resource, name, meta)?;
+        if primary {
+            shared.promote(false).map_err(anyhow::Error::msg)?;
+        }
+        let replication = TcpListener::bind(me.replication)
+            .await
+            .with_context(|| format!("binding replication address {}", me.replication))?;
+        let clients = me.listen.bind().await?;
+        let control = bind_control(&me.control)
+            .with_context(|| format!("binding control socket {}", me.control.display()))?;
+        Ok(Node {
+            shared,
+            replication,
+            clients,
+            control,
+            control_path: me.control,
+            handshake_timeout,
+        })
+    }
+
+    /// The NBD listener, as the plain server prints it.
+    pub fn client_listener(&self) -> String {
+        self.clients.describe()
+    }
+
+    /// The replication listener.
+    pub fn replication_listener(&self) -> String {
+        self.replication
+            .local_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_else(|_| "?".into())
+    }
+
+    /// Serves NBD clients and peers until `shutdown` completes, then flushes and closes
+    /// the metadata cleanly.
+    pub async fn serve(self, shutdown: impl std::future::Future) -> anyhow::Result<()> {
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let replication = tokio::spawn(run_replication(
+            Arc::clone(&self.shared),
+            self.replication,
+            stop_rx.clone(),
+        ));
+        let control = tokio::spawn(run_control(
+            Arc::clone(&self.shared),
+            self.control,
+            self.control_path,
+            stop_rx.clone(),
+        ));
+        let export = Arc::new(Export {
+            name: String::new(),
+            description: format!(
+                "replicated resource {} on node {}",
+                self.shared.resource.name, self.shared.node
+            ),
+            backend: Arc::new(ReplicatedBackend {
+                shared: Arc::clone(&self.shared),
+            }),
+        });
+        let config = ServerConfig {
+            exports: vec![export],
+            handshake_timeout: self.handshake_timeout,
+            max_merge: crate::server::DEFAULT_MAX_MERGE,
+        };
+        let result = serve(vec![self.clients], config, shutdown).await;
+        // The final flush above reached every connected peer: nothing is missing there.
+        self.shared.stop();
+        let _ = stop_tx.send(true);
+        let _ = replication.await;
+        let _ = control.await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        self.shared.close();
+        info!("metadata closed cleanly");
+        result
+    }
+}

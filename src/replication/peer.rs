@@ -1,0 +1,908 @@
+//! Peer connections: dialling and accepting, the hello exchange and its checks, one
+//! writer task per connection that batches frames into one send, and the reader that
+//! delivers acks to waiting writes or, on a secondary, applies what the primary sends.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::OwnedReadHalf;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, oneshot, watch};
+use tracing::{debug, info, warn};
+
+use super::config::Protocol;
+use super::generation::{Generations, SyncDecision};
+use super::layer::Shared;
+use super::wire::{write_flags, DiskState, Hello, Message, ResyncStatus, Role, PROTOCOL_VERSION};
+use crate::backend::{BackendFuture, ZeroFlags};
+
+/// What a reply is waited for under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WaitKey {
+    /// The ack of a write, trim or zero.
+    Seq(u64),
+    /// Protocol B's "received" of a write.
+    Received(u64),
+    /// The ack of a barrier.
+    Epoch(u64),
+    /// The reply to a read, resync or checksum request.
+    Request(u64),
+}
+
+/// What this node does with a peer after the hello exchange.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Plan {
+    /// This node is primary: replicate to the peer and resync it (`full`: everything).
+    Source { full: bool },
+    /// The peer is primary: apply what it sends.
+    Target,
+    /// Both are secondary: stay connected, nothing to replicate.
+    Idle,
+}
+
+/// One live connection to a peer.
+pub struct PeerConn {
+    pub peer: String,
+    pub plan: Plan,
+    /// The peer's generations, from its hello and later state messages.
+    peer_generations: Mutex<Generations>,
+    /// Replicated writes go to this peer.
+    pub replicating: AtomicBool,
+    /// The peer finished its resync from this node and has every write since.
+    pub synced: AtomicBool,
+    outgoing: mpsc::UnboundedSender<Message>,
+    waiters: Mutex<HashMap<WaitKey, oneshot::Sender<Message>>>,
+    /// Writes sent and not yet acknowledged: sequence number → (offset, length, payload
+    /// bytes).
+    in_flight: Mutex<HashMap<u64, (u64, u64, u64)>>,
+    /// Payload bytes of the writes in `in_flight`.
+    unacked_bytes: AtomicU64,
+    closed: watch::Sender<bool>,
+    /// The peer (a resync target) has sent its whole bitmap.
+    peer_bitmap_done: watch::Sender<bool>,
+}
+
+impl PeerConn {
+    fn new(hello: &Hello, plan: Plan, outgoing: mpsc::UnboundedSender<Message>) -> Arc<PeerConn> {
+        Arc::new(PeerConn {
+            peer: hello.node.clone(),
+            plan,
+            peer_generations: Mutex::new(hello.generations),
+            replicating: AtomicBool::new(false),
+            synced: AtomicBool::new(false),
+            outgoing,
+            waiters: Mutex::new(HashMap::new()),
+            in_flight: Mutex::new(HashMap::new()),
+            unacked_bytes: AtomicU64::new(0),
+            closed: watch::channel(false).0,
+            peer_bitmap_done: watch::channel(false).0,
+        })
+    }
+
+    /// The peer's generations as last reported.
+    pub fn peer_generations(&self) -> Generations {
+        *self
+            .peer_generations
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits until the peer has sent its whole bitmap, up to `timeout`.
+    pub async fn wait_peer_bitmap(&self, timeout: Duration) -> Result<(), String> {
+        let mut done = self.peer_bitmap_done.subscribe();
+        let arrived = tokio::time::timeout(timeout, done.wait_for(|d| *d))
+            .await
+            .is_ok_and(|r| r.is_ok());
+        if arrived {
+            Ok(())
+        } else {
+            Err(format!(
+                "{} did not send its bitmap within {timeout:?}",
+                self.peer
+            ))
+        }
+    }
+
+    /// Queues a message (dropped if the connection is gone).
+    pub fn send(&self, message: Message) {
+        let _ = self.outgoing.send(message);
+    }
+
+    /// Queues a message and returns where its reply arrives. If the connection closes
+    /// first, the receiver reports an error.
+    pub fn request(&self, key: WaitKey, message: Message) -> oneshot::Receiver<Message> {
+        let (tx, rx) = oneshot::channel();
+        if !self.is_closed() {
+            self.waiters
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(key, tx);
+            self.send(message);
+        }
+        rx
+    }
+
+    /// Queues a replicated write, remembering its range until the ack.
+    pub fn send_write(
+        &self,
+        seq: u64,
+        offset: u64,
+        length: u64,
+        key: WaitKey,
+        message: Message,
+    ) -> oneshot::Receiver<Message> {
+        let payload = match &message {
+            Message::Write { data, .. } => data.len() as u64,
+            _ => 0,
+        };
+        self.unacked_bytes.fetch_add(payload, Ordering::AcqRel);
+        self.in_flight
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(seq, (offset, length, payload));
+        self.request(key, message)
+    }
+
+    /// Payload bytes sent to this peer and not yet acknowledged.
+    pub fn unacked_bytes(&self) -> u64 {
+        self.unacked_bytes.load(Ordering::Acquire)
+    }
+
+    /// The ranges of writes sent and never acknowledged.
+    pub fn take_in_flight(&self) -> Vec<(u64, u64)> {
+        let mut in_flight = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        self.unacked_bytes.store(0, Ordering::Release);
+        in_flight
+            .drain()
+            .map(|(_, (offset, length, _))| (offset, length))
+            .collect()
+    }
+
+    /// Ends the connection: every waiter gets an error.
+    pub fn close(&self) {
+        self.closed.send_replace(true);
+        self.waiters
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+    }
+
+    pub fn is_closed(&self) -> bool {
+        *self.closed.borrow()
+    }
+
+    fn deliver(&self, key: WaitKey, message: Message) {
+        if let WaitKey::Seq(seq) = key {
+            let acked = self
+                .in_flight
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&seq);
+            if let Some((_, _, payload)) = acked {
+                self.unacked_bytes.fetch_sub(payload, Ordering::AcqRel);
+            }
+        }
+        let waiter = self
+            .waiters
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&key);
+        if let Some(waiter) = waiter {
+            let _ = waiter.send(message);
+        }
+    }
+}
+
+/// Accepts peers on `listener` and dials the peers this node dials (those whose names
+/// sort after its own), until `stop` turns true.
+pub async fn run_replication(
+    shared: Arc<Shared>,
+    listener: TcpListener,
+    stop: watch::Receiver<bool>,
+) {
+    for index in 0..shared.peers.len() {
+        if shared.node < shared.peers[index].config.name {
+            tokio::spawn(dial_loop(Arc::clone(&shared), index, stop.clone()));
+        }
+    }
+    let mut stop_accept = stop.clone();
+    loop {
+        let accepted = tokio::select! {
+            _ = stop_accept.wait_for(|s| *s) => return,
+            accepted = listener.accept() => accepted,
+        };
+        match accepted {
+            Ok((stream, addr)) => {
+                tokio::spawn(run_connection(
+                    Arc::clone(&shared),
+                    stream,
+                    addr,
+                    None,
+                    stop.clone(),
+                ));
+            }
+            Err(e) => {
+                warn!("accepting a peer failed: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+async fn dial_loop(shared: Arc<Shared>, index: usize, mut stop: watch::Receiver<bool>) {
+    let addr = shared.peers[index].config.replication;
+    let retry = Duration::from_millis(500);
+    loop {
+        if *stop.borrow() {
+            return;
+        }
+        match tokio::time::timeout(shared.resource.peer_timeout, TcpStream::connect(addr)).await {
+            Ok(Ok(stream)) => {
+                run_connection(Arc::clone(&shared), stream, addr, Some(index), stop.clone()).await;
+            }
+            Ok(Err(e)) => {
+                debug!(peer = %shared.peers[index].config.name, "connecting to {addr}: {e}")
+            }
+            Err(_) => {
+                debug!(peer = %shared.peers[index].config.name, "connecting to {addr} timed out")
+            }
+        }
+        tokio::select! {
+            _ = stop.wait_for(|s| *s) => return,
+            _ = tokio::time::sleep(retry) => {}
+        }
+    }
+}
+
+fn our_hello(shared: &Shared) -> Hello {
+    let (disk, generations) = shared.local_state();
+    Hello {
+        version: PROTOCOL_VERSION,
+        resource: shared.resource.name.clone(),
+        node: shared.node.clone(),
+        size: shared.local.size(),
+        generations,
+        role: shared.role(),
+        disk,
+    }
+}
+
+/// Checks a peer's hello against the resource file and decides what to do with it.
+fn check_hello(
+    shared: &Shared,
+    hello: &Hello,
+    expected: Option<usize>,
+) -> Result<(usize, Plan, SyncDecision), String> {
+    if hello.version != PROTOCOL_VERSION {
+        return Err(format!(
+            "peer speaks protocol version {}, this node {PROTOCOL_VERSION}",
+            hello.version
+        ));
+    }
+    if hello.resource != shared.resource.name {
+        return Err(format!(
+            "peer {:?} belongs to resource {:?}, not {:?}",
+            hello.node, hello.resource, shared.resource.name
+        ));
+    }
+    let index = shared
+        .peers
+        .iter()
+        .position(|slot| slot.config.name == hello.node)
+        .ok_or_else(|| {
+            format!(
+                "node {:?} is not a peer of {:?} in the resource file",
+                hello.node, shared.node
+            )
+        })?;
+    if let Some(expected) = expected {
+        if expected != index {
+            return Err(format!(
+                "dialled {:?} but {:?} answered",
+                shared.peers[expected].config.name, hello.node
+            ));
+        }
+    }
+    if hello.size != shared.local.size() {
+        return Err(format!(
+            "peer {:?} has a device of {} bytes, this node {}",
+            hello.node,
+            hello.size,
+            shared.local.size()
+        ));
+    }
+    let (_, mine) = shared.local_state();
+    let decision = mine.compare(&hello.generations);
+    let split = |what: &str| {
+        format!(
+            "{what} with {:?}: generations {:#x}/{:#x} here, {:#x}/{:#x} there; resolve by hand \
+             (recreate the metadata of the node whose changes are to be discarded)",
+            hello.node,
+            mine.current,
+            mine.bitmap,
+            hello.generations.current,
+            hello.generations.bitmap
+        )
+    };
+    match decision {
+        SyncDecision::SplitBrain => return Err(split("split brain")),
+        SyncDecision::Unrelated => return Err(split("unrelated data")),
+        _ => {}
+    }
+    let plan = match (shared.role(), hello.role) {
+        (Role::Primary, Role::Primary) => {
+            return Err(format!("{:?} is primary too", hello.node));
+        }
+        (Role::Primary, Role::Secondary) => match decision {
+            SyncDecision::InSync | SyncDecision::SourceFromBitmap => Plan::Source { full: false },
+            SyncDecision::SourceFull => Plan::Source { full: true },
+            _ => {
+                return Err(format!(
+                    "peer {:?} has newer data than this primary ({decision:?}); demote this node",
+                    hello.node
+                ))
+            }
+        },
+        (Role::Secondary, Role::Primary) => match decision {
+            SyncDecision::InSync | SyncDecision::TargetFromBitmap | SyncDecision::TargetFull => {
+                Plan::Target
+            }
+            _ => {
+                return Err(format!(
+                    "this node has newer data than primary {:?} ({decision:?})",
+                    hello.node
+                ))
+            }
+        },
+        (Role::Secondary, Role::Secondary) => Plan::Idle,
+    };
+    Ok((index, plan, decision))
+}
+
+/// A hello is small: a stranger may not make this node buffer a 32 MiB frame.
+const MAX_HELLO_FRAME: usize = 4096;
+
+/// Reads the peer's first frame (its hello) within `timeout`.
+async fn read_hello(
+    reader: &mut OwnedReadHalf,
+    buf: &mut BytesMut,
+    timeout: Duration,
+) -> Result<Message, String> {
+    loop {
+        if let Some(prefix) = buf.get(..super::wire::LENGTH_PREFIX) {
+            let length = u32::from_be_bytes(prefix.try_into().expect("4 bytes")) as usize;
+            if length > MAX_HELLO_FRAME {
+                return Err(format!("first frame of {length} bytes is not a hello"));
+            }
+        }
+        match Message::decode(buf) {
+            Ok(Some(message)) => return Ok(message),
+            Ok(None) => {}
+            Err(e) => return Err(format!("bad frame: {e}")),
+        }
+        match tokio::time::timeout(timeout, reader.read_buf(buf)).await {
+            Err(_) => return Err(format!("silent for {timeout:?}")),
+            Ok(Ok(0)) => return Err("connection closed".into()),
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => return Err(e.to_string()),
+        }
+    }
+}
+
+/// One peer connection from hello to close.
+async fn run_connection(
+    shared: Arc<Shared>,
+    stream: TcpStream,
+    addr: SocketAddr,
+    expected: Option<usize>,
+    stop: watch::Receiver<bool>,
+) {
+    if let Err(e) = stream.set_nodelay(true) {
+        warn!("TCP_NODELAY on {addr}: {e}");
+    }
+    let (mut reader, mut writer) = stream.into_split();
+    let timeout = shared.resource.peer_timeout;
+    let mut out = BytesMut::new();
+    Message::Hello(our_hello(&shared)).encode(&mut out);
+    if writer.write_all(&out).await.is_err() {
+        return;
+    }
+    let mut buf = BytesMut::with_capacity(256 * 1024);
+    let hello = match read_hello(&mut reader, &mut buf, timeout).await {
+        Ok(Message::Hello(hello)) => hello,
+        Ok(Message::Refuse { reason }) => {
+            warn!("peer at {addr} refused this node: {reason}");
+            return;
+        }
+        Ok(other) => {
+            warn!("peer at {addr} sent {} before its hello", other.name());
+            return;
+        }
+        Err(e) => {
+            debug!("no hello from {addr}: {e}");
+            return;
+        }
+    };
+    let checked = check_hello(&shared, &hello, expected).and_then(|(index, plan, decision)| {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let conn = PeerConn::new(&hello, plan, tx);
+        shared.install(&shared.peers[index], Arc::clone(&conn), plan)?;
+        Ok((index, conn, rx, decision))
+    });
+    let (index, conn, outgoing, decision) = match checked {
+        Ok(ok) => ok,
+        Err(reason) => {
+            warn!("refusing peer {:?} at {addr}: {reason}", hello.node);
+            let mut out = BytesMut::new();
+            Message::Refuse { reason }.encode(&mut out);
+            let _ = writer.write_all(&out).await;
+            return;
+        }
+    };
+    let slot = &shared.peers[index];
+    info!(peer = %hello.node, %addr, plan = ?conn.plan, "peer connected");
+    let writer_task = tokio::spawn(write_frames(writer, outgoing, Arc::clone(&conn)));
+    let pinger = tokio::spawn(ping(Arc::clone(&conn), timeout / 3));
+    let resync = match conn.plan {
+        Plan::Source { .. } => {
+            let (shared, conn) = (Arc::clone(&shared), Arc::clone(&conn));
+            Some(tokio::spawn(async move {
+                let slot = &shared.peers[index];
+                if let Err(e) = shared.resync(slot, &conn).await {
+                    shared.peer_lost(slot, &conn, &format!("resync: {e}"));
+                }
+            }))
+        }
+        Plan::Target => {
+            // Older data is overwritten region by region: unusable alone until the end.
+            // With the same generation this node's data stays consistent meanwhile.
+            if decision != SyncDecision::InSync {
+                shared.begin_resync_target();
+            }
+            // What this node itself may have different (its logged extents after a crash
+            // as primary, for one) must be resynced too.
+            let runs = shared.meta().out_of_sync_runs();
+            for (offset, length) in runs {
+                conn.send(Message::OutOfSync { offset, length });
+            }
+            conn.send(Message::OutOfSyncDone);
+            None
+        }
+        Plan::Idle => None,
+    };
+    let why = read_loop(&shared, &conn, &mut reader, buf, stop).await;
+    shared.peer_lost(slot, &conn, &why);
+    pinger.abort();
+    if let Some(resync) = resync {
+        resync.abort();
+    }
+    let _ = writer_task.await;
+}
+
+/// Sends queued messages, as many per `write` as are waiting.
+async fn write_frames(
+    mut writer: tokio::net::tcp::OwnedWriteHalf,
+    mut outgoing: mpsc::UnboundedReceiver<Message>,
+    conn: Arc<PeerConn>,
+) {
+    let mut closed = conn.closed.subscribe();
+    let mut out = BytesMut::with_capacity(256 * 1024);
+    loop {
+        let message = tokio::select! {
+            _ = closed.wait_for(|c| *c) => break,
+            message = outgoing.recv() => message,
+        };
+        let Some(message) = message else { break };
+        message.encode(&mut out);
+        while out.len() < 4 << 20 {
+            match outgoing.try_recv() {
+                Ok(message) => message.encode(&mut out),
+                Err(_) => break,
+            }
+        }
+        if let Err(e) = writer.write_all(&out).await {
+            debug!(peer = %conn.peer, "send failed: {e}");
+            conn.close();
+            break;
+        }
+        out.clear();
+    }
+    let _ = writer.shutdown().await;
+}
+
+async fn ping(conn: Arc<PeerConn>, every: Duration) {
+    let mut token = 0;
+    loop {
+        tokio::time::sleep(every).await;
+        token += 1;
+        conn.send(Message::Ping { token });
+    }
+}
+
+/// Reads frames until the connection ends; returns why it ended.
+async fn read_loop(
+    shared: &Arc<Shared>,
+    conn: &Arc<PeerConn>,
+    reader: &mut OwnedReadHalf,
+    mut buf: BytesMut,
+    mut stop: watch::Receiver<bool>,
+) -> String {
+    let timeout = shared.resource.peer_timeout;
+    let local = Arc::clone(&shared.local);
+    let mut applying: FuturesUnordered<BackendFuture<'_, Message>> = FuturesUnordered::new();
+    let mut closed = conn.closed.subscribe();
+    loop {
+        loop {
+            let message = match Message::decode(&mut buf) {
+                Ok(Some(message)) => message,
+                Ok(None) => break,
+                Err(e) => return format!("bad frame: {e}"),
+            };
+            if let Err(e) = handle(shared, conn, &local, &mut applying, message).await {
+                return e;
+            }
+        }
+        tokio::select! {
+            _ = stop.wait_for(|s| *s) => return "this node is stopping".into(),
+            _ = closed.wait_for(|c| *c) => return "connection closed".into(),
+            Some(reply) = applying.next(), if !applying.is_empty() => {
+                if let Ok(reply) = reply {
+                    conn.send(reply);
+                }
+            }
+            read = tokio::time::timeout(timeout, reader.read_buf(&mut buf)) => match read {
+                Err(_) => return format!("silent for {timeout:?}"),
+                Ok(Ok(0)) => return "peer closed the connection".into(),
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => return e.to_string(),
+            },
+        }
+    }
+}
+
+fn errno_of(result: &Result<(), crate::backend::BackendError>) -> u32 {
+    match result {
+        Ok(()) => 0,
+        Err(e) => e.errno.code(),
+    }
+}
+
+fn in_range(size: u64, offset: u64, length: u64) -> bool {
+    offset.checked_add(length).is_some_and(|end| end <= size)
+}
+
+/// Handles one message; an error ends the connection.
+async fn handle<'a>(
+    shared: &Arc<Shared>,
+    conn: &Arc<PeerConn>,
+    local: &'a Arc<dyn crate::backend::Backend>,
+    applying: &mut FuturesUnordered<BackendFuture<'a, Message>>,
+    message: Message,
+) -> Result<(), String> {
+    let size = local.size();
+    // Under protocol C a write reaches the secondary only after every write the client
+    // saw completed was acked here, so concurrent writes may be applied in any order.
+    // Under A and B the primary does not wait for that: apply in the order sent, or a
+    // secondary could hold a later write without an earlier, acknowledged one.
+    let in_order = shared.resource.protocol != Protocol::C
+        && matches!(
+            message,
+            Message::Write { .. } | Message::Trim { .. } | Message::Zero { .. }
+        );
+    let must_be_target = |what: &str| {
+        if conn.plan == Plan::Target && !shared.is_primary() {
+            Ok(())
+        } else {
+            Err(format!(
+                "{} sent {what} but is not this node's primary",
+                conn.peer
+            ))
+        }
+    };
+    match message {
+        Message::Write {
+            seq,
+            offset,
+            flags,
+            data,
+        } => {
+            must_be_target("a write")?;
+            if shared.resource.protocol == Protocol::B {
+                conn.send(Message::Received { seq });
+            }
+            let fits = in_range(size, offset, data.len() as u64);
+            applying.push(Box::pin(async move {
+                let result = if fits {
+                    local
+                        .write(offset, data, flags & write_flags::FUA != 0)
+                        .await
+                } else {
+                    Err(out_of_range("write", offset, 0))
+                };
+                Ok(Message::Ack {
+                    seq,
+                    status: errno_of(&result),
+                })
+            }));
+        }
+        Message::Trim {
+            seq,
+            offset,
+            length,
+            flags,
+        } => {
+            must_be_target("a trim")?;
+            if shared.resource.protocol == Protocol::B {
+                conn.send(Message::Received { seq });
+            }
+            let fits = in_range(size, offset, length);
+            applying.push(Box::pin(async move {
+                let result = if fits {
+                    local
+                        .trim(offset, length, flags & write_flags::FUA != 0)
+                        .await
+                } else {
+                    Err(out_of_range("trim", offset, length))
+                };
+                Ok(Message::Ack {
+                    seq,
+                    status: errno_of(&result),
+                })
+            }));
+        }
+        Message::Zero {
+            seq,
+            offset,
+            length,
+            flags,
+        } => {
+            must_be_target("a zero")?;
+            if shared.resource.protocol == Protocol::B {
+                conn.send(Message::Received { seq });
+            }
+            let fits = in_range(size, offset, length);
+            let zero = ZeroFlags {
+                may_trim: flags & write_flags::MAY_TRIM != 0,
+                fast: false,
+                fua: flags & write_flags::FUA != 0,
+            };
+            applying.push(Box::pin(async move {
+                let result = if fits {
+                    local.write_zeroes(offset, length, zero).await
+                } else {
+                    Err(out_of_range("zero", offset, length))
+                };
+                Ok(Message::Ack {
+                    seq,
+                    status: errno_of(&result),
+                })
+            }));
+        }
+        Message::Barrier { epoch } => {
+            must_be_target("a barrier")?;
+            // The barrier covers every write received before it: those finish, then one
+            // flush makes them durable. It runs as one more future, so later writes,
+            // pings and acks go on meanwhile (a slow flush does not look like a dead
+            // peer), and a later barrier waits for this one.
+            let mut before = std::mem::take(applying);
+            let conn = Arc::clone(conn);
+            applying.push(Box::pin(async move {
+                while let Some(reply) = before.next().await {
+                    if let Ok(reply) = reply {
+                        conn.send(reply);
+                    }
+                }
+                let result = local.flush().await;
+                Ok(Message::BarrierAck {
+                    epoch,
+                    status: errno_of(&result),
+                })
+            }));
+        }
+        Message::ReadRequest { id, offset, length } => {
+            let fits = in_range(size, offset, u64::from(length));
+            applying.push(Box::pin(async move {
+                let result = if fits {
+                    local.read(offset, length as usize).await
+                } else {
+                    Err(out_of_range("read", offset, u64::from(length)))
+                };
+                Ok(match result {
+                    Ok(read) => Message::ReadReply {
+                        id,
+                        status: 0,
+                        data: read.data,
+                    },
+                    Err(e) => Message::ReadReply {
+                        id,
+                        status: e.errno.code(),
+                        data: Bytes::new(),
+                    },
+                })
+            }));
+        }
+        Message::ResyncChecksum {
+            id,
+            offset,
+            length,
+            checksum,
+        } => {
+            must_be_target("a resync checksum")?;
+            let fits = in_range(size, offset, u64::from(length));
+            applying.push(Box::pin(async move {
+                let status = if !fits {
+                    ResyncStatus::Failed(crate::wire::NbdError::Inval.code())
+                } else {
+                    match local.read(offset, length as usize).await {
+                        Ok(read) if crc32c::crc32c(&read.data) == checksum => ResyncStatus::InSync,
+                        // An unreadable block is rewritten from the source.
+                        _ => ResyncStatus::NeedData,
+                    }
+                };
+                Ok(Message::ResyncReply { id, status })
+            }));
+        }
+        Message::ResyncData { id, offset, data } => {
+            must_be_target("resync data")?;
+            let fits = in_range(size, offset, data.len() as u64);
+            applying.push(Box::pin(async move {
+                // Durable before the source clears its bit.
+                let result = if fits {
+                    local.write(offset, data, true).await
+                } else {
+                    Err(out_of_range("resync", offset, 0))
+                };
+                let status = match result {
+                    Ok(()) => ResyncStatus::InSync,
+                    Err(e) => ResyncStatus::Failed(e.errno.code()),
+                };
+                Ok(Message::ResyncReply { id, status })
+            }));
+        }
+        Message::ChecksumRequest { id, offset, length } => {
+            let fits = in_range(size, offset, u64::from(length));
+            applying.push(Box::pin(async move {
+                let result = if fits {
+                    local.read(offset, length as usize).await
+                } else {
+                    Err(out_of_range("checksum", offset, u64::from(length)))
+                };
+                Ok(match result {
+                    Ok(read) => Message::ChecksumReply {
+                        id,
+                        status: 0,
+                        checksum: crc32c::crc32c(&read.data),
+                    },
+                    Err(e) => Message::ChecksumReply {
+                        id,
+                        status: e.errno.code(),
+                        checksum: 0,
+                    },
+                })
+            }));
+        }
+        Message::State {
+            role,
+            disk,
+            generations,
+        } => {
+            *conn
+                .peer_generations
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()) = generations;
+            if role == Role::Primary && disk == DiskState::UpToDate && conn.plan == Plan::Target {
+                // Everything sent before this was applied in order on this connection
+                // only if the applies finished: wait for them, then adopt.
+                while let Some(reply) = applying.next().await {
+                    if let Ok(reply) = reply {
+                        conn.send(reply);
+                    }
+                }
+                if let Err(e) = local.flush().await {
+                    return Err(format!("flush before adopting the primary's state: {e}"));
+                }
+                shared.adopt_state_from_primary(generations);
+            }
+        }
+        Message::OutOfSync { offset, length } => {
+            if !matches!(conn.plan, Plan::Source { .. }) {
+                return Err(format!(
+                    "{} sent its bitmap but is not resynced from here",
+                    conn.peer
+                ));
+            }
+            let slot = shared
+                .slot_named(&conn.peer)
+                .expect("a connected peer has a slot");
+            shared.meta().mark_out_of_sync(slot.index, offset, length);
+        }
+        Message::OutOfSyncDone => {
+            conn.peer_bitmap_done.send_replace(true);
+        }
+        Message::Ping { token } => conn.send(Message::Pong { token }),
+        Message::Pong { .. } => {}
+        Message::Ack { seq, .. } => conn.deliver(WaitKey::Seq(seq), message),
+        Message::Received { seq } => conn.deliver(WaitKey::Received(seq), message),
+        Message::BarrierAck { epoch, .. } => conn.deliver(WaitKey::Epoch(epoch), message),
+        Message::ReadReply { id, .. }
+        | Message::ResyncReply { id, .. }
+        | Message::ChecksumReply { id, .. } => conn.deliver(WaitKey::Request(id), message),
+        Message::Refuse { reason } => return Err(format!("refused by the peer: {reason}")),
+        Message::Hello(_) => return Err("a second hello".into()),
+    }
+    if in_order {
+        while let Some(reply) = applying.next().await {
+            if let Ok(reply) = reply {
+                conn.send(reply);
+            }
+        }
+    }
+    Ok(())
+}
+
+fn out_of_range(op: &'static str, offset: u64, length: u64) -> crate::backend::BackendError {
+    crate::backend::BackendError::plain(op, offset, length, crate::wire::NbdError::Inval)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::replication::wire::example_messages;
+
+    fn conn() -> (Arc<PeerConn>, mpsc::UnboundedReceiver<Message>) {
+        let Some(Message::Hello(hello)) = example_messages().into_iter().next() else {
+            panic!("the first example is a hello");
+        };
+        let (tx, rx) = mpsc::unbounded_channel();
+        (PeerConn::new(&hello, Plan::Source { full: false }, tx), rx)
+    }
+
+    fn write(seq: u64, len: usize) -> Message {
+        Message::Write {
+            seq,
+            offset: seq << 20,
+            flags: 0,
+            data: Bytes::from(vec![0; len]),
+        }
+    }
+
+    #[test]
+    fn unacknowledged_writes_are_counted_and_returned_on_loss() {
+        let (conn, mut sent) = conn();
+        let mut waits = Vec::new();
+        for seq in 1..=3 {
+            waits.push(conn.send_write(
+                seq,
+                seq << 20,
+                1 << 20,
+                WaitKey::Seq(seq),
+                write(seq, 1 << 20),
+            ));
+        }
+        assert_eq!(conn.unacked_bytes(), 3 << 20);
+        assert!(matches!(sent.try_recv(), Ok(Message::Write { seq: 1, .. })));
+        conn.deliver(WaitKey::Seq(2), Message::Ack { seq: 2, status: 0 });
+        assert_eq!(conn.unacked_bytes(), 2 << 20);
+        assert!(matches!(
+            waits[1].try_recv(),
+            Ok(Message::Ack { seq: 2, .. })
+        ));
+        let mut lost = conn.take_in_flight();
+        lost.sort();
+        assert_eq!(lost, [(1 << 20, 1 << 20), (3 << 20, 1 << 20)]);
+        assert_eq!(conn.unacked_bytes(), 0);
+        // Closing fails every waiter instead of leaving it hanging.
+        conn.close();
+        assert_eq!(
+            waits[0].try_recv(),
+            Err(oneshot::error::TryRecvError::Closed)
+        );
+        assert!(conn.is_closed());
+    }
+}

@@ -1,0 +1,495 @@
+//! In-process tests of two replicating nodes over loopback TCP, with memory backends, so
+//! that protocols A/B/C and read healing can be checked without an NBD client.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use super::config::ResourceConfig;
+use super::layer::{ReplicatedBackend, Shared};
+use super::meta::Metadata;
+use super::peer::run_replication;
+use crate::backend::memory::MemoryBackend;
+use crate::backend::{
+    Backend, BackendError, BackendFuture, Capabilities, Extent, ReadData, ZeroFlags,
+};
+use crate::wire::NbdError;
+
+const SIZE: u64 = 8 << 20;
+
+/// A memory backend whose reads of the first 64 KiB fail with EIO until that range is
+/// written again, like a bad sector that the drive remaps on write.
+struct BadSector {
+    inner: MemoryBackend,
+    bad: AtomicBool,
+}
+
+impl Backend for BadSector {
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+    fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
+        if offset < 65536 && self.bad.load(Ordering::Acquire) {
+            return Box::pin(async move {
+                Err(BackendError::plain(
+                    "read",
+                    offset,
+                    length as u64,
+                    NbdError::Io,
+                ))
+            });
+        }
+        self.inner.read(offset, length)
+    }
+    fn write(&self, offset: u64, data: Bytes, fua: bool) -> BackendFuture<'_, ()> {
+        if offset == 0 && data.len() >= 65536 {
+            self.bad.store(false, Ordering::Release);
+        }
+        self.inner.write(offset, data, fua)
+    }
+    fn flush(&self) -> BackendFuture<'_, ()> {
+        self.inner.flush()
+    }
+    fn trim(&self, offset: u64, length: u64, fua: bool) -> BackendFuture<'_, ()> {
+        self.inner.trim(offset, length, fua)
+    }
+    fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> BackendFuture<'_, ()> {
+        self.inner.write_zeroes(offset, length, flags)
+    }
+    fn cache(&self, offset: u64, length: u64) -> BackendFuture<'_, ()> {
+        self.inner.cache(offset, length)
+    }
+    fn extents(&self, offset: u64, length: u64) -> BackendFuture<'_, Vec<Extent>> {
+        self.inner.extents(offset, length)
+    }
+}
+
+struct Pair {
+    primary: Arc<Shared>,
+    secondary: Arc<Shared>,
+    /// Every secondary (with three nodes, `secondary` is the first of them).
+    secondaries: Vec<Arc<Shared>>,
+    stop: watch::Sender<bool>,
+    _dir: tempfile::TempDir,
+}
+
+async fn pair(protocol: &str, primary_local: Arc<dyn Backend>) -> Pair {
+    cluster(protocol, 2, primary_local, "1G", 2, None).await
+}
+
+/// `nodes` nodes (2 or 3) of which the first `running` start; the first is primary with
+/// `primary_local` as its backend, the next gets `first_secondary_local` if given.
+async fn cluster(
+    protocol: &str,
+    nodes: usize,
+    primary_local: Arc<dyn Backend>,
+    resync_rate: &str,
+    running: usize,
+    first_secondary_local: Option<Arc<dyn Backend>>,
+) -> Pair {
+    let dir = tempfile::tempdir().unwrap();
+    let mut listeners = Vec::new();
+    for _ in 0..nodes {
+        listeners.push(TcpListener::bind("127.0.0.1:0").await.unwrap());
+    }
+    let names = &["alpha", "beta", "gamma"][..nodes];
+    let mut text =
+        format!("[resource]\nname = \"t\"\nprotocol = \"{protocol}\"\npeer_timeout = \"2s\"\nresync_rate = \"{resync_rate}\"\n");
+    for (name, listener) in names.iter().zip(&listeners) {
+        text.push_str(&format!(
+            "[[node]]\nname = \"{name}\"\nreplication = \"{}\"\nlisten = \"unix:{dir}/{name}.sock\"\nbacking = \"memory:8M\"\nmetadata = \"{dir}/{name}.meta\"\n",
+            listener.local_addr().unwrap(),
+            dir = dir.path().display(),
+        ));
+    }
+    let resource = ResourceConfig::parse(&text, "test").unwrap();
+    let open = |name: &str, local: Arc<dyn Backend>| {
+        let path = dir.path().join(format!("{name}.meta"));
+        let peers: Vec<String> = resource.peers_of(name).map(|n| n.name.clone()).collect();
+        let meta = Metadata::open_or_create(&path, name, "t", &peers, SIZE).unwrap();
+        Shared::new(local, resource.clone(), name, meta).unwrap()
+    };
+    let primary = open("alpha", primary_local);
+    let mut first_secondary_local = first_secondary_local;
+    let secondary_locals = std::iter::repeat_with(|| {
+        first_secondary_local
+            .take()
+            .unwrap_or_else(|| Arc::new(MemoryBackend::new(SIZE, false)))
+    });
+    let secondaries: Vec<Arc<Shared>> = names[1..running]
+        .iter()
+        .zip(secondary_locals)
+        .map(|(name, local)| open(name, local))
+        .collect();
+    primary.promote(false).unwrap();
+    let (stop, stop_rx) = watch::channel(false);
+    let all = std::iter::once(&primary).chain(&secondaries);
+    for (shared, listener) in all.zip(listeners) {
+        tokio::spawn(run_replication(
+            Arc::clone(shared),
+            listener,
+            stop_rx.clone(),
+        ));
+    }
+    // Connected, and the first (full, checksum-only) resync done.
+    tokio::time::timeout(Duration::from_secs(20), async {
+        while secondaries.iter().any(|s| s.status().disk != "UpToDate") {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the nodes connect and sync");
+    Pair {
+        primary,
+        secondary: Arc::clone(&secondaries[0]),
+        secondaries,
+        stop,
+        _dir: dir,
+    }
+}
+
+fn pattern(seed: u8, len: usize) -> Bytes {
+    Bytes::from(
+        (0..len)
+            .map(|i| (i as u8).wrapping_mul(31) ^ seed)
+            .collect::<Vec<_>>(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_protocol_delivers_writes_trims_and_zeroes_by_the_next_flush() {
+    for protocol in ["A", "B", "C"] {
+        let pair = pair(protocol, Arc::new(MemoryBackend::new(SIZE, false))).await;
+        let backend = ReplicatedBackend {
+            shared: Arc::clone(&pair.primary),
+        };
+        backend.write(0, pattern(1, 1 << 20), false).await.unwrap();
+        backend.write(4096, pattern(2, 512), true).await.unwrap();
+        backend
+            .write(3 << 20, pattern(3, 200_000), false)
+            .await
+            .unwrap();
+        backend
+            .write_zeroes(
+                100_000,
+                50_000,
+                ZeroFlags {
+                    may_trim: true,
+                    ..ZeroFlags::default()
+                },
+            )
+            .await
+            .unwrap();
+        backend.trim(6 << 20, 1 << 20, false).await.unwrap();
+        backend.flush().await.unwrap();
+        let mine = pair
+            .primary
+            .local
+            .read(0, SIZE as usize)
+            .await
+            .unwrap()
+            .data;
+        let theirs = pair
+            .secondary
+            .local
+            .read(0, SIZE as usize)
+            .await
+            .unwrap()
+            .data;
+        assert!(mine == theirs, "protocol {protocol}: replicas differ");
+        assert_eq!(
+            pair.primary.status().out_of_sync_bytes,
+            0,
+            "protocol {protocol}"
+        );
+        let _ = pair.stop.send(true);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_read_error_is_served_by_the_peer_and_rewritten_locally() {
+    let bad = Arc::new(BadSector {
+        inner: MemoryBackend::new(SIZE, false),
+        bad: AtomicBool::new(false),
+    });
+    let pair = pair("C", Arc::clone(&bad) as Arc<dyn Backend>).await;
+    let backend = ReplicatedBackend {
+        shared: Arc::clone(&pair.primary),
+    };
+    let data = pattern(9, 65536);
+    backend.write(0, data.clone(), false).await.unwrap();
+    bad.bad.store(true, Ordering::Release);
+    assert!(bad.read(0, 4096).await.is_err(), "the fault is in place");
+    let read = backend.read(0, 65536).await.unwrap();
+    assert_eq!(read.data, data, "served from the peer");
+    let local = bad.read(0, 65536).await.expect("rewritten locally");
+    assert_eq!(local.data, data);
+    let _ = pair.stop.send(true);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secondary_refuses_client_writes_and_exports_read_only() {
+    let pair = pair("C", Arc::new(MemoryBackend::new(SIZE, false))).await;
+    let secondary = ReplicatedBackend {
+        shared: Arc::clone(&pair.secondary),
+    };
+    assert!(secondary.capabilities().read_only);
+    let refused = secondary
+        .write(0, pattern(1, 512), false)
+        .await
+        .unwrap_err();
+    assert_eq!(refused.errno, NbdError::Perm);
+    let refused = secondary.trim(0, 4096, false).await.unwrap_err();
+    assert_eq!(refused.errno, NbdError::Perm);
+    let _ = pair.stop.send(true);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_nodes_all_hold_every_write_and_secondaries_link_idle() {
+    let trio = cluster(
+        "C",
+        3,
+        Arc::new(MemoryBackend::new(SIZE, false)),
+        "1G",
+        3,
+        None,
+    )
+    .await;
+    let backend = ReplicatedBackend {
+        shared: Arc::clone(&trio.primary),
+    };
+    for i in 0..32u64 {
+        let data = pattern(i as u8, 4096 * (1 + i as usize % 5));
+        backend.write(i * 200_000, data, i % 7 == 0).await.unwrap();
+    }
+    backend.flush().await.unwrap();
+    // The secondaries' own link comes up on its own schedule.
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while trio
+            .secondaries
+            .iter()
+            .any(|s| s.status().peers.iter().any(|p| !p.connected))
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("every pair of nodes connects");
+    let mine = trio
+        .primary
+        .local
+        .read(0, SIZE as usize)
+        .await
+        .unwrap()
+        .data;
+    for secondary in &trio.secondaries {
+        let theirs = secondary.local.read(0, SIZE as usize).await.unwrap().data;
+        assert!(
+            mine == theirs,
+            "{} differs from the primary",
+            secondary.node
+        );
+        let links: Vec<String> = secondary
+            .status()
+            .peers
+            .iter()
+            .map(|p| p.link.clone())
+            .collect();
+        let mut links = links;
+        links.sort();
+        assert_eq!(links, ["idle", "target"], "{}", secondary.node);
+    }
+    let status = trio.primary.status();
+    assert!(status.peers.iter().all(|p| p.replicating), "{status:?}");
+    let _ = trio.stop.send(true);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_full_resync_sends_only_differing_regions_at_the_configured_rate() {
+    // 2 MiB of the primary differ from the fresh secondary (all zeroes); at 4 MiB/s the
+    // resync of those must take about half a second, and the equal 6 MiB cost no data.
+    let local = Arc::new(MemoryBackend::new(SIZE, false));
+    local
+        .write(1 << 20, pattern(5, 2 << 20), false)
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let pair = cluster("C", 2, local, "4M", 2, None).await;
+    let elapsed = started.elapsed();
+    assert!(
+        elapsed >= Duration::from_millis(450),
+        "2 MiB at 4 MiB/s took only {elapsed:?}"
+    );
+    let mine = pair
+        .primary
+        .local
+        .read(0, SIZE as usize)
+        .await
+        .unwrap()
+        .data;
+    let theirs = pair
+        .secondary
+        .local
+        .read(0, SIZE as usize)
+        .await
+        .unwrap()
+        .data;
+    assert!(mine == theirs, "the full resync left differences");
+    let status = pair.primary.status();
+    assert_eq!(status.peers[0].resync_total_bytes, SIZE);
+    assert_eq!(status.peers[0].resync_sent_bytes, 2 << 20);
+    assert_eq!(status.out_of_sync_bytes, 0);
+    let _ = pair.stop.send(true);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connected_peer_takes_the_new_generation_when_another_is_away() {
+    // Three nodes, gamma never starts: the first write opens a new generation, which beta
+    // (connected, in sync) must share, or a failover to beta would later look like a
+    // split brain to alpha.
+    let pair = cluster(
+        "C",
+        3,
+        Arc::new(MemoryBackend::new(SIZE, false)),
+        "1G",
+        2,
+        None,
+    )
+    .await;
+    let before = pair.primary.status().generation;
+    let backend = ReplicatedBackend {
+        shared: Arc::clone(&pair.primary),
+    };
+    backend.write(0, pattern(4, 4096), false).await.unwrap();
+    backend.flush().await.unwrap();
+    let after = pair.primary.status();
+    assert_ne!(
+        after.generation, before,
+        "a new generation for gamma's absence"
+    );
+    // Per-peer bitmaps: gamma misses the one region written, beta (resynced) nothing.
+    assert_eq!(after.out_of_sync_bytes, 65536);
+    let missed: Vec<(String, u64)> = after
+        .peers
+        .iter()
+        .map(|p| (p.name.clone(), p.out_of_sync_bytes))
+        .collect();
+    assert_eq!(
+        missed,
+        [("beta".to_string(), 0), ("gamma".to_string(), 65536)]
+    );
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while pair.secondary.status().generation != after.generation {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("beta takes the new generation");
+    let (_, beta) = pair.secondary.local_state();
+    let (_, alpha) = pair.primary.local_state();
+    assert_eq!(
+        beta.compare(&alpha),
+        super::generation::SyncDecision::InSync
+    );
+    let _ = pair.stop.send(true);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn the_layer_also_runs_on_a_current_thread_runtime() {
+    // Metadata updates must not rely on block_in_place, which panics here.
+    let pair = pair("C", Arc::new(MemoryBackend::new(SIZE, false))).await;
+    let backend = ReplicatedBackend {
+        shared: Arc::clone(&pair.primary),
+    };
+    backend
+        .write(5 << 20, pattern(6, 8192), true)
+        .await
+        .unwrap();
+    backend.flush().await.unwrap();
+    let theirs = pair.secondary.local.read(5 << 20, 8192).await.unwrap().data;
+    assert_eq!(theirs, pattern(6, 8192));
+    let _ = pair.stop.send(true);
+}
+
+/// A memory backend that records the order in which writes complete, and makes a write
+/// at offset 0 slow.
+struct OrderRecorder {
+    inner: MemoryBackend,
+    completed: std::sync::Mutex<Vec<u64>>,
+}
+
+impl Backend for OrderRecorder {
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+    fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
+        self.inner.read(offset, length)
+    }
+    fn write(&self, offset: u64, data: Bytes, fua: bool) -> BackendFuture<'_, ()> {
+        Box::pin(async move {
+            if offset == 0 {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            let result = self.inner.write(offset, data, fua).await;
+            self.completed.lock().unwrap().push(offset);
+            result
+        })
+    }
+    fn flush(&self) -> BackendFuture<'_, ()> {
+        self.inner.flush()
+    }
+    fn trim(&self, offset: u64, length: u64, fua: bool) -> BackendFuture<'_, ()> {
+        self.inner.trim(offset, length, fua)
+    }
+    fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> BackendFuture<'_, ()> {
+        self.inner.write_zeroes(offset, length, flags)
+    }
+    fn cache(&self, offset: u64, length: u64) -> BackendFuture<'_, ()> {
+        self.inner.cache(offset, length)
+    }
+    fn extents(&self, offset: u64, length: u64) -> BackendFuture<'_, Vec<Extent>> {
+        self.inner.extents(offset, length)
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn under_protocol_a_a_secondary_applies_writes_in_the_order_sent() {
+    // The primary acknowledges the first write at once (protocol A), so the client may
+    // issue the second before the secondary applied the first: the secondary must still
+    // apply them in that order, even though the first is slow there.
+    let recorder = Arc::new(OrderRecorder {
+        inner: MemoryBackend::new(SIZE, false),
+        completed: std::sync::Mutex::new(Vec::new()),
+    });
+    let pair = cluster(
+        "A",
+        2,
+        Arc::new(MemoryBackend::new(SIZE, false)),
+        "1G",
+        2,
+        Some(Arc::clone(&recorder) as Arc<dyn Backend>),
+    )
+    .await;
+    let backend = ReplicatedBackend {
+        shared: Arc::clone(&pair.primary),
+    };
+    recorder.completed.lock().unwrap().clear();
+    backend.write(0, pattern(1, 4096), false).await.unwrap();
+    backend
+        .write(1 << 20, pattern(2, 4096), false)
+        .await
+        .unwrap();
+    backend.flush().await.unwrap();
+    assert_eq!(*recorder.completed.lock().unwrap(), [0, 1 << 20]);
+    let _ = pair.stop.send(true);
+}

@@ -1,0 +1,692 @@
+//! Replication across real `netblk serve --node` processes: two nodes on loopback (and
+//! across two network namespaces), written through the primary with qemu-io, then
+//! stopped and their backing files compared byte for byte.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{have, read_all, run, Server};
+
+/// A free TCP port on loopback for a node's fixed address. Taken below the kernel's
+/// ephemeral range (32768 and up), so that no client connection of a parallel test is
+/// handed the same port as its source port while a node restarts.
+fn free_port() -> u16 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    loop {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = 20_000 + (std::process::id() * 97 + n * 31) % 12_000;
+        if std::net::TcpListener::bind(("127.0.0.1", port as u16)).is_ok() {
+            return port as u16;
+        }
+    }
+}
+
+struct NodeSpec {
+    name: &'static str,
+    replication: String,
+    listen: String,
+}
+
+/// Writes a resource file for `nodes` under `dir`, with `<name>.img` and `<name>.meta`.
+fn resource_file(dir: &Path, resource: &str, nodes: &[NodeSpec]) -> PathBuf {
+    resource_file_sized(dir, resource, nodes, "16M")
+}
+
+fn resource_file_sized(dir: &Path, resource: &str, nodes: &[NodeSpec], size: &str) -> PathBuf {
+    let mut text = format!(
+        "[resource]\nname = \"{resource}\"\npeer_timeout = \"1s\"\nsize = \"{size}\"\nresync_rate = \"1G\"\n"
+    );
+    for node in nodes {
+        text.push_str(&format!(
+            "\n[[node]]\nname = \"{name}\"\nreplication = \"{replication}\"\nlisten = \"{listen}\"\nbacking = \"{dir}/{name}.img\"\nmetadata = \"{dir}/{name}.meta\"\n",
+            name = node.name,
+            replication = node.replication,
+            listen = node.listen,
+            dir = dir.display(),
+        ));
+    }
+    let path = dir.join(format!("{resource}.toml"));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn loopback_pair(dir: &Path) -> PathBuf {
+    loopback_pair_sized(dir, "16M")
+}
+
+fn loopback_pair_sized(dir: &Path, size: &str) -> PathBuf {
+    let nodes = [
+        NodeSpec {
+            name: "alpha",
+            replication: format!("127.0.0.1:{}", free_port()),
+            listen: format!("127.0.0.1:{}", free_port()),
+        },
+        NodeSpec {
+            name: "beta",
+            replication: format!("127.0.0.1:{}", free_port()),
+            listen: format!("127.0.0.1:{}", free_port()),
+        },
+    ];
+    resource_file_sized(dir, "r0", &nodes, size)
+}
+
+fn start_node(config: &Path, node: &str, primary: bool) -> Server {
+    let mut args = vec![
+        "--config".to_string(),
+        config.display().to_string(),
+        "--node".to_string(),
+        node.to_string(),
+    ];
+    if primary {
+        args.push("--primary".into());
+    }
+    Server::start_expecting(&args, 1)
+}
+
+/// Waits until `log()` contains `needle` `count` times.
+fn wait_for_log(what: &str, log: impl Fn() -> String, needle: &str, count: usize) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while log().matches(needle).count() < count {
+        assert!(
+            Instant::now() < deadline,
+            "{what}: no {needle:?} (x{count}) in:\n{}",
+            log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn qemu_io(uri: &str, commands: &[&str]) -> std::process::Output {
+    let mut cmd = Command::new("qemu-io");
+    cmd.args(["-f", "raw"]);
+    for c in commands {
+        cmd.args(["-c", c]);
+    }
+    cmd.arg(uri);
+    cmd.output().expect("run qemu-io")
+}
+
+fn assert_same_files(a: &Path, b: &Path) {
+    let (a_data, b_data) = (read_all(a), read_all(b));
+    assert_eq!(a_data.len(), b_data.len());
+    if let Some(at) = a_data.iter().zip(&b_data).position(|(x, y)| x != y) {
+        panic!(
+            "{} and {} differ first at byte {at}",
+            a.display(),
+            b.display()
+        );
+    }
+}
+
+#[test]
+fn writes_through_the_primary_reach_the_secondary_byte_for_byte() {
+    if !have("qemu-io") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair(dir.path());
+    let primary = start_node(&config, "alpha", true);
+    let secondary = start_node(&config, "beta", false);
+    wait_for_log(
+        "secondary",
+        || secondary.stderr(),
+        "in sync with the primary",
+        1,
+    );
+    let out = qemu_io(
+        &primary.uri(),
+        &[
+            "write -P 0xab 0 1M",
+            "write -P 0xcd 5M 64k",
+            "write -z 8M 1M",
+            "discard 12M 1M",
+            "write -P 0x11 4095k 3k",
+            "flush",
+        ],
+    );
+    assert!(out.status.success(), "{out:?}");
+    // The secondary exports read-only and refuses writes.
+    let refused = qemu_io(&secondary.uri(), &["write -P 0xee 0 4k"]);
+    assert!(!refused.status.success(), "a secondary took a client write");
+    let read = run(Command::new("qemu-io").args([
+        "-f",
+        "raw",
+        "-r",
+        "-c",
+        "read -P 0xcd 5M 64k",
+        &secondary.uri(),
+    ]));
+    assert!(String::from_utf8_lossy(&read.stdout).contains("read 65536/65536"));
+    assert!(primary.stop().success());
+    assert!(secondary.stop().success());
+    assert_same_files(&dir.path().join("alpha.img"), &dir.path().join("beta.img"));
+}
+
+#[test]
+fn a_killed_secondary_is_resynced_from_the_bitmap_only() {
+    if !have("qemu-io") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair(dir.path());
+    let primary = start_node(&config, "alpha", true);
+    let secondary = start_node(&config, "beta", false);
+    wait_for_log(
+        "secondary",
+        || secondary.stderr(),
+        "in sync with the primary",
+        1,
+    );
+    let out = qemu_io(&primary.uri(), &["write -P 0x21 0 2M", "flush"]);
+    assert!(out.status.success(), "{out:?}");
+    secondary.signal("KILL");
+    drop(secondary);
+    // Degraded writes: the primary goes on and records what beta misses.
+    let start = Instant::now();
+    let out = qemu_io(
+        &primary.uri(),
+        &["write -P 0x42 1M 64k", "write -P 0x43 10M 128k", "flush"],
+    );
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "a lost peer stalled the client for {:?}",
+        start.elapsed()
+    );
+    wait_for_log("primary", || primary.stderr(), "going on degraded", 1);
+    let secondary = start_node(&config, "beta", false);
+    wait_for_log(
+        "secondary",
+        || secondary.stderr(),
+        "in sync with the primary",
+        1,
+    );
+    wait_for_log("primary", || primary.stderr(), "resync done", 2);
+    let log = primary.stderr();
+    let last = log.lines().rfind(|l| l.contains("resync done")).unwrap();
+    let sent: u64 = last
+        .split("resync done: ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no byte count in {last:?}"));
+    eprintln!("resync after the kill: {last}");
+    assert!(
+        sent > 0 && sent < 16 << 20,
+        "resync sent {sent} bytes: expected only the changed regions"
+    );
+    assert!(primary.stop().success());
+    assert!(secondary.stop().success());
+    assert_same_files(&dir.path().join("alpha.img"), &dir.path().join("beta.img"));
+}
+
+#[test]
+fn a_peer_of_another_resource_is_refused_with_a_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair(dir.path());
+    let text = std::fs::read_to_string(&config).unwrap();
+    let other_dir = dir.path().join("other");
+    std::fs::create_dir(&other_dir).unwrap();
+    let other = other_dir.join("r1.toml");
+    std::fs::write(
+        &other,
+        text.replace("name = \"r0\"", "name = \"r1\"").replace(
+            &dir.path().display().to_string(),
+            &other_dir.display().to_string(),
+        ),
+    )
+    .unwrap();
+    let primary = start_node(&config, "alpha", true);
+    let stranger = start_node(&other, "beta", false);
+    wait_for_log(
+        "primary",
+        || primary.stderr() + &stranger.stderr(),
+        "belongs to resource",
+        1,
+    );
+    assert!(!primary.stderr().contains("peer connected"));
+}
+
+/// `netblk status --json` for a node, parsed.
+fn status_json(config: &Path, node: &str) -> serde_json::Value {
+    let out = run(Command::new(env!("CARGO_BIN_EXE_netblk"))
+        .args(["status", "--json", "--config"])
+        .arg(config)
+        .args(["--node", node]));
+    serde_json::from_slice(&out.stdout).expect("status --json prints JSON")
+}
+
+#[test]
+fn status_reports_roles_peers_and_the_bitmap_and_promote_is_checked() {
+    if !have("qemu-io") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair(dir.path());
+    let primary = start_node(&config, "alpha", true);
+    let secondary = start_node(&config, "beta", false);
+    wait_for_log(
+        "secondary",
+        || secondary.stderr(),
+        "in sync with the primary",
+        1,
+    );
+    let status = status_json(&config, "alpha");
+    let status = &status["status"];
+    assert_eq!(status["role"], "primary");
+    assert_eq!(status["disk"], "UpToDate");
+    assert_eq!(status["out_of_sync_bytes"], 0);
+    assert_eq!(status["peers"][0]["name"], "beta");
+    assert_eq!(status["peers"][0]["link"], "source");
+    assert_eq!(status["peers"][0]["replicating"], true);
+    let beta = status_json(&config, "beta");
+    assert_eq!(beta["status"]["role"], "secondary");
+    assert_eq!(beta["status"]["generation"], status["generation"]);
+    // Two primaries are refused.
+    let promote = Command::new(env!("CARGO_BIN_EXE_netblk"))
+        .args(["promote", "--config"])
+        .arg(&config)
+        .args(["--node", "beta"])
+        .output()
+        .unwrap();
+    assert!(!promote.status.success());
+    assert!(String::from_utf8_lossy(&promote.stderr).contains("alpha is primary"));
+    // Verify finds equal data.
+    let verify = run(Command::new(env!("CARGO_BIN_EXE_netblk"))
+        .args(["verify", "--config"])
+        .arg(&config)
+        .args(["--node", "alpha"]));
+    assert!(String::from_utf8_lossy(&verify.stdout).contains("0 regions differed"));
+    // Without the secondary, the bitmap records what it misses.
+    secondary.signal("KILL");
+    drop(secondary);
+    wait_for_log("primary", || primary.stderr(), "peer lost", 1);
+    let out = qemu_io(&primary.uri(), &["write -P 1 0 4k"]);
+    assert!(out.status.success(), "{out:?}");
+    let status = status_json(&config, "alpha");
+    assert_eq!(status["status"]["peers"][0]["connected"], false);
+    assert_ne!(status["status"]["out_of_sync_bytes"], 0);
+    assert_ne!(status["status"]["bitmap_generation"], "0x0000000000000000");
+}
+
+#[test]
+fn a_crashed_primary_resyncs_exactly_its_logged_extents() {
+    if !have("qemu-io") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair_sized(dir.path(), "64M");
+    let primary = start_node(&config, "alpha", true);
+    let secondary = start_node(&config, "beta", false);
+    wait_for_log(
+        "secondary",
+        || secondary.stderr(),
+        "in sync with the primary",
+        1,
+    );
+    // Writes in extents 0 and 2 (4 MiB each).
+    let out = qemu_io(&primary.uri(), &["write -P 7 0 64k", "write -P 8 9M 64k"]);
+    assert!(out.status.success(), "{out:?}");
+    primary.signal("KILL");
+    drop(primary);
+    // Every start is as secondary; the operator promotes again.
+    let primary = start_node(&config, "alpha", true);
+    wait_for_log("primary", || primary.stderr(), "resync done", 1);
+    let log = primary.stderr();
+    assert!(log.contains("2 hot extents marked out of sync"), "{log}");
+    assert!(log.contains("resync: 8388608 bytes out of sync"), "{log}");
+    assert!(primary.stop().success());
+    assert!(secondary.stop().success());
+    assert_same_files(&dir.path().join("alpha.img"), &dir.path().join("beta.img"));
+}
+
+#[test]
+fn after_failover_the_old_primary_is_resynced_including_its_own_hot_extents() {
+    if !have("qemu-io") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair_sized(dir.path(), "64M");
+    let alpha = start_node(&config, "alpha", true);
+    let beta = start_node(&config, "beta", false);
+    wait_for_log("beta", || beta.stderr(), "in sync with the primary", 1);
+    let out = qemu_io(&alpha.uri(), &["write -P 7 0 64k", "write -P 8 9M 64k"]);
+    assert!(out.status.success(), "{out:?}");
+    alpha.signal("KILL");
+    drop(alpha);
+    // A write that reached alpha's disk but never beta (in flight at the crash).
+    let image = dir.path().join("alpha.img");
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&image)
+        .unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&file, b"lost in flight", (9 << 20) + 100).unwrap();
+    drop(file);
+    let promote = netblk(&["promote", "--node", "beta"], &config);
+    assert!(promote.status.success(), "{promote:?}");
+    let out = qemu_io(&beta.uri(), &["write -P 9 40M 64k"]);
+    assert!(out.status.success(), "{out:?}");
+    let alpha = start_node(&config, "alpha", false);
+    wait_for_log("alpha", || alpha.stderr(), "in sync with the primary", 1);
+    // Beta's 64 KiB plus alpha's two logged extents (8 MiB).
+    let log = beta.stderr();
+    assert!(log.contains("resync: 8454144 bytes out of sync"), "{log}");
+    assert!(alpha.stop().success());
+    assert!(beta.stop().success());
+    assert_same_files(&image, &dir.path().join("beta.img"));
+}
+
+#[test]
+fn nodes_that_both_wrote_alone_are_a_split_brain_never_merged() {
+    if !have("qemu-io") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair(dir.path());
+    let alpha = start_node(&config, "alpha", true);
+    let beta = start_node(&config, "beta", false);
+    wait_for_log("beta", || beta.stderr(), "in sync with the primary", 1);
+    assert!(alpha.stop().success());
+    assert!(beta.stop().success());
+    // Each writes while the other is down.
+    let alpha = start_node(&config, "alpha", true);
+    let out = qemu_io(&alpha.uri(), &["write -P 1 0 64k"]);
+    assert!(out.status.success(), "{out:?}");
+    assert!(alpha.stop().success());
+    let beta = start_node(&config, "beta", true);
+    let out = qemu_io(&beta.uri(), &["write -P 2 0 64k"]);
+    assert!(out.status.success(), "{out:?}");
+    // Together again: refused on both sides, with the reason.
+    let alpha = start_node(&config, "alpha", true);
+    wait_for_log("both", || alpha.stderr() + &beta.stderr(), "split brain", 2);
+    let status = status_json(&config, "alpha");
+    assert_eq!(status["status"]["peers"][0]["connected"], false);
+    assert_ne!(
+        read_all(&dir.path().join("alpha.img")),
+        read_all(&dir.path().join("beta.img")),
+        "neither side's writes were overwritten"
+    );
+}
+
+#[test]
+fn peers_with_an_unknown_name_or_another_size_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (alpha_repl, beta_repl) = (free_port(), free_port());
+    let write = |file: &str, second: &str, second_size: &str| {
+        let text = format!(
+            "[resource]\nname = \"r0\"\n\
+             [[node]]\nname = \"alpha\"\nreplication = \"127.0.0.1:{alpha_repl}\"\n\
+             listen = \"127.0.0.1:{}\"\nbacking = \"memory:16M\"\nmetadata = \"{dir}/alpha.meta\"\n\
+             [[node]]\nname = \"{second}\"\nreplication = \"127.0.0.1:{beta_repl}\"\n\
+             listen = \"127.0.0.1:{}\"\nbacking = \"memory:{second_size}\"\nmetadata = \"{dir}/{file}.meta\"\n",
+            free_port(),
+            free_port(),
+            dir = dir.path().display(),
+        );
+        let path = dir.path().join(format!("{file}.toml"));
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let sized = write("sized", "beta", "32M");
+    let renamed = write("renamed", "delta", "16M");
+    let alpha = start_node(&sized, "alpha", true);
+    let beta = start_node(&sized, "beta", false);
+    wait_for_log(
+        "beta",
+        || alpha.stderr() + &beta.stderr(),
+        "has a device of 33554432 bytes, this node 16777216",
+        1,
+    );
+    drop(beta);
+    let delta = start_node(&renamed, "delta", false);
+    wait_for_log(
+        "alpha",
+        || alpha.stderr(),
+        "node \"delta\" is not a peer of \"alpha\" in the resource file",
+        1,
+    );
+    assert!(!alpha.stderr().contains("peer connected"));
+    drop(delta);
+}
+
+fn netblk(args: &[&str], config: &Path) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_netblk"))
+        .args(&args[..1])
+        .arg("--config")
+        .arg(config)
+        .args(&args[1..])
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn promotion_is_refused_to_the_node_with_older_data() {
+    if !have("qemu-io") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair(dir.path());
+    let alpha = start_node(&config, "alpha", true);
+    let beta = start_node(&config, "beta", false);
+    wait_for_log("beta", || beta.stderr(), "in sync with the primary", 1);
+    beta.signal("KILL");
+    drop(beta);
+    let out = qemu_io(&alpha.uri(), &["write -P 3 2M 64k", "flush"]);
+    assert!(out.status.success(), "{out:?}");
+    let demote = netblk(&["demote", "--node", "alpha"], &config);
+    assert!(demote.status.success(), "{demote:?}");
+    // Both secondary now; beta missed a write.
+    let beta = start_node(&config, "beta", false);
+    wait_for_log("alpha", || alpha.stderr(), "plan=Idle", 1);
+    let refused = netblk(&["promote", "--node", "beta"], &config);
+    assert!(!refused.status.success());
+    let why = String::from_utf8_lossy(&refused.stderr);
+    assert!(why.contains("alpha has newer data"), "{why}");
+    let promote = netblk(&["promote", "--node", "alpha"], &config);
+    assert!(promote.status.success(), "{promote:?}");
+    wait_for_log("beta", || beta.stderr(), "in sync with the primary", 1);
+    assert!(alpha.stop().success());
+    assert!(beta.stop().success());
+    assert_same_files(&dir.path().join("alpha.img"), &dir.path().join("beta.img"));
+}
+
+// ---- two network namespaces ----
+
+/// Two namespaces joined by a veth pair, removed on drop.
+struct Namespaces {
+    names: [String; 2],
+}
+
+impl Namespaces {
+    fn create(tag: &str) -> Option<Namespaces> {
+        let id = std::process::id() % 100_000;
+        let names = [format!("nb{tag}{id}a"), format!("nb{tag}{id}b")];
+        let ip = |args: &[&str]| {
+            Command::new("ip")
+                .args(args)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        if !ip(&["netns", "add", &names[0]]) {
+            eprintln!("skipping: `ip netns add` is not available here (needs root and iproute2)");
+            return None;
+        }
+        let ns = Namespaces { names };
+        let [a, b] = &ns.names;
+        let (va, vb) = (format!("v{id}a"), format!("v{id}b"));
+        let steps: Vec<Vec<&str>> = vec![
+            vec!["netns", "add", b],
+            vec!["link", "add", &va, "type", "veth", "peer", "name", &vb],
+            vec!["link", "set", &va, "netns", a],
+            vec!["link", "set", &vb, "netns", b],
+            vec!["-n", a, "addr", "add", "10.231.0.1/24", "dev", &va],
+            vec!["-n", b, "addr", "add", "10.231.0.2/24", "dev", &vb],
+            vec!["-n", a, "link", "set", &va, "up"],
+            vec!["-n", b, "link", "set", &vb, "up"],
+            vec!["-n", a, "link", "set", "lo", "up"],
+            vec!["-n", b, "link", "set", "lo", "up"],
+        ];
+        for step in steps {
+            assert!(ip(&step), "ip {step:?} failed");
+        }
+        Some(ns)
+    }
+}
+
+impl Drop for Namespaces {
+    fn drop(&mut self) {
+        for name in &self.names {
+            let _ = Command::new("ip").args(["netns", "del", name]).status();
+        }
+    }
+}
+
+/// A `netblk serve` inside a namespace, killed on drop.
+struct NsNode {
+    child: Option<Child>,
+    log: PathBuf,
+}
+
+impl NsNode {
+    fn start(ns: &str, config: &Path, node: &str, primary: bool, log: PathBuf) -> NsNode {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", ns, env!("CARGO_BIN_EXE_netblk"), "serve"])
+            .arg("--config")
+            .arg(config)
+            .args(["--node", node]);
+        if primary {
+            cmd.arg("--primary");
+        }
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("start netblk in a namespace");
+        NsNode {
+            child: Some(child),
+            log,
+        }
+    }
+
+    fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn stop(mut self) {
+        let mut child = self.child.take().unwrap();
+        let _ = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status();
+        let status = child.wait().unwrap();
+        assert!(
+            status.success(),
+            "node exited with {status}:\n{}",
+            self.stderr()
+        );
+    }
+}
+
+impl Drop for NsNode {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+#[test]
+fn replication_across_two_network_namespaces() {
+    if !have("qemu-io") {
+        return;
+    }
+    let Some(ns) = Namespaces::create("r") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let nodes = [
+        NodeSpec {
+            name: "alpha",
+            replication: "10.231.0.1:7788".into(),
+            listen: "10.231.0.1:10809".into(),
+        },
+        NodeSpec {
+            name: "beta",
+            replication: "10.231.0.2:7788".into(),
+            listen: "10.231.0.2:10809".into(),
+        },
+    ];
+    let config = resource_file(dir.path(), "r0", &nodes);
+    let primary = NsNode::start(
+        &ns.names[0],
+        &config,
+        "alpha",
+        true,
+        dir.path().join("a.log"),
+    );
+    let secondary = NsNode::start(
+        &ns.names[1],
+        &config,
+        "beta",
+        false,
+        dir.path().join("b.log"),
+    );
+    wait_for_log(
+        "secondary",
+        || secondary.stderr(),
+        "in sync with the primary",
+        1,
+    );
+    let out = Command::new("ip")
+        .args(["netns", "exec", &ns.names[0], "qemu-io", "-f", "raw"])
+        .args([
+            "-c",
+            "write -P 0x5a 0 1M",
+            "-c",
+            "write -P 0xa5 7M 256k",
+            "-c",
+            "flush",
+        ])
+        .arg("nbd://10.231.0.1:10809")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}\n{}", primary.stderr());
+    // Cut the link: the client waits at most about the peer timeout, then the primary
+    // goes on degraded; when the link returns, the peer is resynced.
+    let link = |state: &str| {
+        let veth = format!("v{}a", std::process::id() % 100_000);
+        run(Command::new("ip").args(["-n", &ns.names[0], "link", "set", &veth, state]));
+    };
+    link("down");
+    let start = Instant::now();
+    let out = Command::new("ip")
+        .args(["netns", "exec", &ns.names[0], "qemu-io", "-f", "raw"])
+        .args(["-c", "write -P 0x77 3M 64k", "-c", "flush"])
+        .arg("nbd://10.231.0.1:10809")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "a cut link stalled the client for {:?} (peer timeout 1s)",
+        start.elapsed()
+    );
+    wait_for_log("primary", || primary.stderr(), "going on degraded", 1);
+    link("up");
+    wait_for_log(
+        "secondary",
+        || secondary.stderr(),
+        "in sync with the primary",
+        2,
+    );
+    primary.stop();
+    secondary.stop();
+    assert_same_files(&dir.path().join("alpha.img"), &dir.path().join("beta.img"));
+}

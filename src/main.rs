@@ -127,6 +127,12 @@ struct ServeArgs {
     #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
     handshake_timeout: Option<Duration>,
 
+    /// For crash testing only: put a volatile write cache in front of every export
+    /// ("powercut": unflushed, non-FUA writes live in memory until FLUSH, so SIGKILL acts as
+    /// a power cut). Never use it for data you want to keep.
+    #[arg(long, value_name = "KIND", value_parser = ["powercut"])]
+    fault_injection: Option<String>,
+
     /// Merge adjacent reads that arrive together into one backend read of up to this size
     /// (0 turns merging off). Default 256K. Example: --max-merge 1M
     #[arg(long, value_name = "SIZE")]
@@ -234,6 +240,13 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
             .backing
             .open(export.size, export.read_only, export.cache)
             .with_context(|| format!("export {:?}", export.name))?;
+        let backend: Arc<dyn netblk::backend::Backend> = match args.fault_injection.as_deref() {
+            Some("powercut") => {
+                tracing::warn!(export = %export.name, "fault injection: unflushed writes are kept in memory only");
+                Arc::new(netblk::backend::powercut::PowerCut::new(backend))
+            }
+            _ => backend,
+        };
         opened.push(Arc::new(Export {
             name: export.name,
             description: export.description,

@@ -8,6 +8,7 @@
 
 pub mod file;
 pub mod memory;
+pub mod powercut;
 pub mod range_lock;
 pub mod uring;
 

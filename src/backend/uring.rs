@@ -1,8 +1,10 @@
 //! The io_uring engine the file backend submits its reads, writes and syncs through.
 //!
-//! One ring per backend, shared by every connection: a submitter pushes its entry and enters
-//! the kernel from its own worker thread, then collects any completions that are already
-//! there (cached buffered reads complete inline, so they never wait for a wake-up).
+//! One ring per backend, shared by every connection: a submitter queues its entry, and a
+//! reaper task enters the kernel once for everything queued after every ready task had its
+//! turn. Measured reason: entering per request kicked the virtio disk once per request
+//! (15% of the server's CPU was that MMIO write) and 16 connections of QD1 O_DIRECT
+//! writes reached 26k/s against qemu-nbd's 76k/s, which submits in batches.
 //! Completions that arrive later signal an eventfd registered with the ring; a reaper task
 //! on the tokio reactor drains them and hands each result to its waiter through a oneshot
 //! channel. (Not `IORING_REGISTER_EVENTFD_ASYNC`: it stays silent for completions the
@@ -29,7 +31,7 @@ use bytes::Bytes;
 use io_uring::{opcode, squeue, types, IoUring};
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
-use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{oneshot, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 
 use crate::buffer::Buffer;
@@ -62,6 +64,8 @@ struct RingState {
     slots: Vec<Option<Slot>>,
     free: Vec<usize>,
     reaper: Option<JoinHandle<()>>,
+    /// Entries are queued and the reaper has been asked to submit them.
+    submit_scheduled: bool,
 }
 
 impl RingState {
@@ -76,6 +80,29 @@ impl RingState {
                 self.slots.len() - 1
             }
         }
+    }
+
+    /// Hands the queued entries to the kernel, then collects what already completed.
+    fn submit_and_reap(&mut self) {
+        self.submit_scheduled = false;
+        loop {
+            match self.uring.submit() {
+                Ok(_) => break,
+                Err(e) if e.raw_os_error() == Some(libc_eintr()) => continue,
+                Err(e) if e.raw_os_error() == Some(libc_ebusy()) => {
+                    // Completions are waiting to be collected first.
+                    self.reap();
+                    continue;
+                }
+                Err(e) => {
+                    // The entries stay queued and go with the next submission; their
+                    // waiters still get their completions then.
+                    tracing::warn!("io_uring submit failed: {e}");
+                    break;
+                }
+            }
+        }
+        self.reap();
     }
 
     /// Hands every posted completion to its waiter.
@@ -101,6 +128,8 @@ pub struct Ring {
     state: Mutex<RingState>,
     eventfd: OwnedFd,
     in_flight: Arc<Semaphore>,
+    /// Wakes the reaper to submit queued entries.
+    submit_wanted: Notify,
 }
 
 /// One operation to submit.
@@ -142,7 +171,9 @@ impl Ring {
                 slots: Vec::new(),
                 free: Vec::new(),
                 reaper: None,
+                submit_scheduled: false,
             }),
+            submit_wanted: Notify::new(),
             eventfd,
             in_flight: Arc::new(Semaphore::new(COMPLETION_ENTRIES as usize)),
         }))
@@ -267,24 +298,13 @@ impl Ring {
                 return Err(e);
             }
         }
-        loop {
-            match state.uring.submit() {
-                Ok(_) => break,
-                Err(e) if e.raw_os_error() == Some(libc_eintr()) => continue,
-                Err(e) if e.raw_os_error() == Some(libc_ebusy()) => {
-                    // Completions are waiting to be collected first.
-                    state.reap();
-                    continue;
-                }
-                Err(e) => {
-                    // The entry stays queued and goes with the next submission; its
-                    // waiter still gets its completion then.
-                    tracing::warn!("io_uring submit failed: {e}");
-                    break;
-                }
-            }
+        // Entering the kernel is left to the reaper task, which runs after every task
+        // that is ready now: requests from many connections then go in with one
+        // `io_uring_enter`, and the block layer kicks the device once for all of them.
+        if !state.submit_scheduled {
+            state.submit_scheduled = true;
+            self.submit_wanted.notify_one();
         }
-        state.reap();
         Ok(())
     }
 
@@ -318,17 +338,27 @@ fn libc_ebusy() -> i32 {
     rustix::io::Errno::BUSY.raw_os_error()
 }
 
-/// Waits for the eventfd and hands out completions until the ring is dropped.
+/// Submits queued entries when asked, and hands out completions when the eventfd says
+/// there are some, until the ring is dropped.
 async fn reap_forever(ring: Weak<Ring>, eventfd: AsyncFd<OwnedFd>) {
     loop {
-        let Ok(mut ready) = eventfd.readable().await else {
-            return;
-        };
-        let mut counter = [0u8; 8];
-        while rustix::io::read(eventfd.get_ref(), &mut counter).is_ok() {}
-        ready.clear_ready();
-        let Some(ring) = ring.upgrade() else { return };
-        ring.state.lock().unwrap_or_else(|e| e.into_inner()).reap();
+        let Some(strong) = ring.upgrade() else { return };
+        tokio::select! {
+            ready = eventfd.readable() => {
+                let Ok(mut ready) = ready else { return };
+                let mut counter = [0u8; 8];
+                while rustix::io::read(eventfd.get_ref(), &mut counter).is_ok() {}
+                ready.clear_ready();
+                strong.state.lock().unwrap_or_else(|e| e.into_inner()).reap();
+            }
+            _ = strong.submit_wanted.notified() => {
+                drop(strong);
+                // Let every task that is ready now queue its entries first.
+                tokio::task::yield_now().await;
+                let Some(strong) = ring.upgrade() else { return };
+                strong.state.lock().unwrap_or_else(|e| e.into_inner()).submit_and_reap();
+            }
+        }
     }
 }
 

@@ -320,7 +320,8 @@ fn run_replicated(args: &ServeArgs, path: &std::path::Path) -> anyhow::Result<()
     let primary = args.primary;
     runtime.block_on(async move {
         let shutdown = shutdown_signal()?;
-        let node = Node::bind(resource, &name, primary, handshake_timeout).await?;
+        let powercut = args.fault_injection.as_deref() == Some("powercut");
+        let node = Node::bind(resource, &name, primary, handshake_timeout, powercut).await?;
         let mut stdout = std::io::stdout().lock();
         writeln!(stdout, "listening on {}", node.client_listener())?;
         writeln!(stdout, "replicating on {}", node.replication_listener())?;

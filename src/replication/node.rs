@@ -29,18 +29,26 @@ pub struct Node {
 
 impl Node {
     /// Opens node `name` of `resource` and binds its listeners; with `primary` it is
-    /// promoted first (refused if its data may be older than a peer's).
+    /// promoted first (refused if its data may be older than a peer's). `powercut` puts the
+    /// fault-injection cache of `--fault-injection powercut` over the backing.
     pub async fn bind(
         resource: ResourceConfig,
         name: &str,
         primary: bool,
         handshake_timeout: Duration,
+        powercut: bool,
     ) -> anyhow::Result<Node> {
         let me = resource.node(name).map_err(anyhow::Error::msg)?.clone();
         let backend = me
             .backing
             .open(resource.size, false, me.cache)
             .with_context(|| format!("node {name:?} backing"))?;
+        // Crash tests only: unflushed writes stay in memory, so SIGKILL loses them.
+        let backend: Arc<dyn crate::backend::Backend> = if powercut {
+            Arc::new(crate::backend::powercut::PowerCut::new(backend))
+        } else {
+            backend
+        };
         let size = backend.size();
         let (path, node, resource_name) =
             (me.metadata.clone(), name.to_string(), resource.name.clone());

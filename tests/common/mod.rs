@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod raw;
+pub mod workload;
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};

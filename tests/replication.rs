@@ -349,6 +349,55 @@ fn a_secondary_killed_during_fio_write_and_verify_is_resynced_to_identical() {
     assert_same_files(&dir.path().join("alpha.img"), &dir.path().join("beta.img"));
 }
 
+/// mkfs discards the whole device in one request: a TRIM or WRITE_ZEROES spanning more
+/// extents than the activity log holds is applied in pieces, not left waiting for log slots
+/// that can never free up (it hung mkfs.ext4 on a replicated export once).
+#[test]
+fn a_discard_and_zeroing_of_the_whole_device_complete_and_replicate() {
+    if !have("qemu-io") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair_sized(dir.path(), "512M");
+    let primary = start_node(&config, "alpha", true);
+    let secondary = start_node(&config, "beta", false);
+    wait_for_log("beta", || secondary.stderr(), "in sync with the primary", 1);
+    let out = qemu_io(&primary.uri(), &["write -P 0x31 300M 1M"]);
+    assert!(out.status.success(), "{out:?}");
+    let mut child = Command::new("qemu-io")
+        .args([
+            "-f",
+            "raw",
+            "-c",
+            "discard 0 512M",
+            "-c",
+            "write -P 0x32 1M 64k",
+        ])
+        .args(["-c", "write -z 256M 256M", "-c", "flush", &primary.uri()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("a whole-device discard hung:\n{}", primary.stderr());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success());
+    assert!(primary.stop().success());
+    assert!(secondary.stop().success());
+    assert_same_files(&dir.path().join("alpha.img"), &dir.path().join("beta.img"));
+    let image = read_all(&dir.path().join("beta.img"));
+    assert!(image[300 << 20..301 << 20].iter().all(|&b| b == 0));
+    assert_eq!(image[1 << 20], 0x32);
+}
+
 #[test]
 fn a_peer_of_another_resource_is_refused_with_a_reason() {
     let dir = tempfile::tempdir().unwrap();

@@ -14,7 +14,7 @@ use tracing::{info, warn};
 
 use super::config::{NodeConfig, Protocol, ResourceConfig};
 use super::generation::{random_generation, SyncDecision, JUST_CREATED};
-use super::meta::{MetaError, Metadata, EXTENT_SIZE, REGION_SIZE};
+use super::meta::{MetaError, Metadata, AL_SLOTS, EXTENT_SIZE, REGION_SIZE};
 use super::peer::{PeerConn, Plan, WaitKey};
 use super::wire::{write_flags, DiskState, Message, ResyncStatus, Role};
 use crate::backend::{
@@ -692,15 +692,18 @@ impl Backend for ReplicatedBackend {
     fn trim(&self, offset: u64, length: u64, fua: bool) -> BackendFuture<'_, ()> {
         Box::pin(async move {
             let flags = if fua { write_flags::FUA } else { 0 };
-            let local = move || self.shared.local.trim(offset, length, fua);
-            self.shared
-                .replicate("trim", offset, length, local, |seq| Message::Trim {
-                    seq,
-                    offset,
-                    length,
-                    flags,
-                })
-                .await
+            for (offset, length) in pieces(offset, length) {
+                let local = move || self.shared.local.trim(offset, length, fua);
+                self.shared
+                    .replicate("trim", offset, length, local, |seq| Message::Trim {
+                        seq,
+                        offset,
+                        length,
+                        flags,
+                    })
+                    .await?;
+            }
+            Ok(())
         })
     }
 
@@ -713,24 +716,27 @@ impl Backend for ReplicatedBackend {
             if zero.may_trim {
                 flags |= write_flags::MAY_TRIM;
             }
-            let local = move || {
-                self.shared.local.write_zeroes(
-                    offset,
-                    length,
-                    ZeroFlags {
-                        fast: false,
-                        ..zero
-                    },
-                )
-            };
-            self.shared
-                .replicate("write_zeroes", offset, length, local, |seq| Message::Zero {
-                    seq,
-                    offset,
-                    length,
-                    flags,
-                })
-                .await
+            for (offset, length) in pieces(offset, length) {
+                let local = move || {
+                    self.shared.local.write_zeroes(
+                        offset,
+                        length,
+                        ZeroFlags {
+                            fast: false,
+                            ..zero
+                        },
+                    )
+                };
+                self.shared
+                    .replicate("write_zeroes", offset, length, local, |seq| Message::Zero {
+                        seq,
+                        offset,
+                        length,
+                        flags,
+                    })
+                    .await?;
+            }
+            Ok(())
         })
     }
 
@@ -813,5 +819,54 @@ impl Drop for RangeGuard<'_> {
             .unwrap_or_else(|e| e.into_inner())
             .remove(&self.id);
         self.locks.released.notify_waiters();
+    }
+}
+
+/// The most a single replicated operation spans: a quarter of the activity log, so that a
+/// huge TRIM or WRITE_ZEROES (mkfs discards a whole device in one request) is applied as
+/// extent-aligned pieces, each of which can enter the log, instead of waiting forever for
+/// more log slots than exist.
+const MAX_PIECE: u64 = (AL_SLOTS as u64 / 4) * EXTENT_SIZE;
+
+/// Splits `offset..offset+length` into extent-aligned pieces of at most [`MAX_PIECE`].
+fn pieces(offset: u64, length: u64) -> impl Iterator<Item = (u64, u64)> {
+    let end = offset.saturating_add(length);
+    let mut at = offset;
+    std::iter::from_fn(move || {
+        if at >= end {
+            return None;
+        }
+        let boundary = (at / MAX_PIECE + 1).saturating_mul(MAX_PIECE);
+        let piece = (at, boundary.min(end) - at);
+        at = boundary.min(end);
+        Some(piece)
+    })
+}
+
+#[cfg(test)]
+mod piece_tests {
+    use super::*;
+
+    #[test]
+    fn pieces_are_aligned_cover_the_range_and_stay_within_the_log() {
+        let cases = [
+            (0, 0),
+            (0, 1),
+            (5, MAX_PIECE),
+            (MAX_PIECE - 1, 2),
+            (123, 10 * MAX_PIECE + 7),
+            (u64::MAX - 10, 10),
+        ];
+        for (offset, length) in cases {
+            let parts: Vec<_> = pieces(offset, length).collect();
+            let mut at = offset;
+            for &(o, l) in &parts {
+                assert_eq!(o, at);
+                assert!(l > 0 && l <= MAX_PIECE);
+                assert!(Metadata::extents_of(o, l).count() <= AL_SLOTS / 4);
+                at += l;
+            }
+            assert_eq!(at, offset + length, "{offset} {length}");
+        }
     }
 }

@@ -229,28 +229,40 @@ impl Shared {
                     meta.mark_out_of_sync(slot.index, offset, length);
                 }
             }
-            let generations = meta.superblock().generations;
-            if generations.bitmap == 0 {
-                let new = random_generation().map_err(|e| e.to_string())?;
-                blocking(|| meta.update(|sb| sb.generations.start_new(new)))
-                    .map_err(|e| e.to_string())?;
-                warn!(
-                    "writing without every peer: new data generation {new:#x}; the bitmap tracks what they miss"
-                );
-                // Peers that are connected and in sync have every write of the new
-                // generation too: they take it now, or after a failover they would
-                // look like a split brain to the node that is away.
-                let generations = meta.superblock().generations;
-                for conn in conns.iter().filter(|c| c.synced.load(Ordering::Acquire)) {
-                    conn.send(Message::State {
-                        role: Role::Primary,
-                        disk: DiskState::UpToDate,
-                        generations,
-                    });
-                }
-            }
+            self.start_generation_if_needed(&mut meta, &conns)?;
         }
         Ok(conns)
+    }
+
+    /// Before the first write that some peer misses is acknowledged: a new data
+    /// generation, durable, so that the peer is known to be behind when it returns (and
+    /// cannot be promoted over this node without force).
+    fn start_generation_if_needed(
+        &self,
+        meta: &mut Metadata,
+        conns: &[Arc<PeerConn>],
+    ) -> Result<(), String> {
+        let generations = meta.superblock().generations;
+        if generations.bitmap != 0 {
+            return Ok(());
+        }
+        let new = random_generation().map_err(|e| e.to_string())?;
+        blocking(|| meta.update(|sb| sb.generations.start_new(new))).map_err(|e| e.to_string())?;
+        warn!(
+            "writing without every peer: new data generation {new:#x}; the bitmap tracks what they miss"
+        );
+        // Peers that are connected and in sync have every write of the new generation
+        // too: they take it now, or after a failover they would look like a split brain
+        // to the node that is away.
+        let generations = meta.superblock().generations;
+        for conn in conns.iter().filter(|c| c.synced.load(Ordering::Acquire)) {
+            conn.send(Message::State {
+                role: Role::Primary,
+                disk: DiskState::UpToDate,
+                generations,
+            });
+        }
+        Ok(())
     }
 
     /// A peer connection ended: everything it may have missed is marked out of sync
@@ -274,6 +286,12 @@ impl Shared {
                 meta.mark_out_of_sync(slot.index, extent * EXTENT_SIZE, EXTENT_SIZE);
             }
             warn!(peer = %slot.config.name, "peer lost ({why}): going on degraded, {} bytes out of sync", meta.out_of_sync_bytes(slot.index));
+            // Writes in flight to the lost peer are acknowledged degraded as soon as this
+            // returns: the generation moves on first, not at the next write.
+            let others = self.replicating_conns();
+            if let Err(e) = self.start_generation_if_needed(&mut meta, &others) {
+                warn!("metadata: {e}");
+            }
         } else {
             info!(peer = %slot.config.name, "peer disconnected ({why})");
         }
@@ -321,6 +339,18 @@ impl Shared {
             match result {
                 Ok(()) => return Ok(()),
                 Err(MetaError::ActivityLogBusy) => released.await,
+                Err(MetaError::ActivityLogNeedsFlush) => {
+                    // Make the idle extents' writes durable everywhere so one can leave.
+                    if let Err(e) = self.flush_all().await {
+                        warn!("activity log: the flush before an eviction failed: {e}");
+                        return Err(BackendError::plain(
+                            "activity log",
+                            offset,
+                            length,
+                            NbdError::Io,
+                        ));
+                    }
+                }
                 Err(e) => {
                     warn!("activity log: {e}");
                     return Err(BackendError::plain(
@@ -425,6 +455,7 @@ impl Shared {
 
     /// A replicated flush: a barrier on every replicating peer and a local flush.
     pub async fn flush_all(&self) -> Result<(), BackendError> {
+        let generation = self.meta().begin_flush();
         let epoch = self.next_epoch.fetch_add(1, Ordering::Relaxed);
         // Only a primary has replicating connections (a demoted one until it reconnects).
         let waits: Vec<_> = self
@@ -440,6 +471,11 @@ impl Shared {
         for (conn, wait) in waits {
             self.await_peer(&conn, wait, "flush", deadline).await;
         }
+        // A peer that failed the barrier was dropped, and what it misses is in the bitmap.
+        if local.is_ok() {
+            self.meta().flush_done(generation);
+            self.al_released.notify_waiters();
+        }
         local
     }
 
@@ -451,7 +487,30 @@ impl Shared {
         length: usize,
         error: BackendError,
     ) -> Result<ReadData, BackendError> {
-        for conn in self.replicating_conns() {
+        // Only a peer that is in sync (resync done, no bit set for the range) holds the
+        // current data; the range lock keeps a client write from passing the peer read and
+        // then being overwritten by the local rewrite.
+        let _range = self.ranges.lock(offset, (length as u64).max(1)).await;
+        let current: Vec<Arc<PeerConn>> = {
+            let meta = self.meta();
+            let regions =
+                offset / REGION_SIZE..=(offset + (length as u64).max(1) - 1) / REGION_SIZE;
+            self.replicating_conns()
+                .into_iter()
+                .filter(|conn| conn.synced.load(Ordering::Acquire))
+                .filter(|conn| {
+                    self.peers
+                        .iter()
+                        .find(|slot| slot.config.name == conn.peer)
+                        .is_some_and(|slot| {
+                            regions
+                                .clone()
+                                .all(|region| !meta.is_out_of_sync(slot.index, region))
+                        })
+                })
+                .collect()
+        };
+        for conn in current {
             let id = self.request_id();
             let wait = conn.request(
                 WaitKey::Request(id),

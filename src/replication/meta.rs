@@ -81,6 +81,10 @@ pub enum MetaError {
     },
     #[error("the activity log is full of extents with writes in flight")]
     ActivityLogBusy,
+    /// Room in the log needs an extent evicted whose last writes are not yet known to be
+    /// durable everywhere: flush (locally and on every peer), then retry.
+    #[error("the activity log needs a flush before it can evict an extent")]
+    ActivityLogNeedsFlush,
 }
 
 /// What the superblock holds.
@@ -108,6 +112,16 @@ pub struct Metadata {
     al_extents: Vec<u64>,
     /// Writes in flight per logged extent (same order as `al_extents`).
     al_refs: Vec<u32>,
+    /// Per logged extent, the flush generation in which its last write finished (same
+    /// order as `al_extents`). An extent may leave the log only once a flush that began
+    /// after that write finished has completed (generation below `flushed_below`): until
+    /// then its data may be in a volatile cache, here or on a peer, and a crash must find
+    /// the extent in the log to resync it.
+    al_released: Vec<u64>,
+    /// The generation writes finishing now are stamped with.
+    flush_generation: u64,
+    /// Writes stamped below this are durable everywhere.
+    flushed_below: u64,
     al_seq: u64,
     /// One bitmap per peer: the regions that peer misses.
     bitmaps: Vec<Vec<u64>>,
@@ -198,6 +212,9 @@ impl Metadata {
             superblock_seq: 0,
             al_extents: Vec::new(),
             al_refs: Vec::new(),
+            al_released: Vec::new(),
+            flush_generation: 1,
+            flushed_below: 0,
             al_seq: 0,
             bitmaps: vec![vec![0; regions.div_ceil(64) as usize]; peers.len()],
             regions,
@@ -273,6 +290,11 @@ impl Metadata {
             superblock,
             superblock_seq,
             al_refs: vec![0; al_extents.len()],
+            // Recovered extents count as written in generation 1: the first flush after
+            // opening makes them evictable.
+            al_released: vec![1; al_extents.len()],
+            flush_generation: 1,
+            flushed_below: 0,
             al_extents,
             al_seq,
             bitmaps,
@@ -345,23 +367,32 @@ impl Metadata {
 
     /// Takes a reference on every extent of the range for a write about to be submitted,
     /// logging (and fdatasyncing) any that are not in the log yet. Extents without writes
-    /// in flight are evicted, least recently used first, after their bitmap bits are
-    /// durable. [`MetaError::ActivityLogBusy`] means: wait for writes to finish, retry.
+    /// in flight whose writes a completed flush made durable are evicted, least recently
+    /// used first, after their bitmap bits are durable.
+    /// [`MetaError::ActivityLogBusy`] means: wait for writes to finish, retry;
+    /// [`MetaError::ActivityLogNeedsFlush`]: flush everywhere, retry.
     pub fn activate(&mut self, extents: std::ops::RangeInclusive<u64>) -> Result<(), MetaError> {
         let missing: Vec<u64> = extents
             .clone()
             .filter(|e| !self.al_extents.contains(e))
             .collect();
         let free = AL_SLOTS - self.al_extents.len();
-        let idle: Vec<usize> = (0..self.al_extents.len())
-            .filter(|&i| self.al_refs[i] == 0 && !extents.contains(&self.al_extents[i]))
+        let idle = |i: &usize| self.al_refs[*i] == 0 && !extents.contains(&self.al_extents[*i]);
+        let evictable: Vec<usize> = (0..self.al_extents.len())
+            .filter(idle)
+            .filter(|&i| self.al_released[i] < self.flushed_below)
             .collect();
-        if missing.len() > free + idle.len() {
-            return Err(MetaError::ActivityLogBusy);
+        if missing.len() > free + evictable.len() {
+            let idle_count = (0..self.al_extents.len()).filter(idle).count();
+            return Err(if missing.len() <= free + idle_count {
+                MetaError::ActivityLogNeedsFlush
+            } else {
+                MetaError::ActivityLogBusy
+            });
         }
         if !missing.is_empty() {
             let evict_count = missing.len().saturating_sub(free);
-            let victims: Vec<usize> = idle.into_iter().take(evict_count).collect();
+            let victims: Vec<usize> = evictable.into_iter().take(evict_count).collect();
             for &i in &victims {
                 self.flush_bitmap_extent(self.al_extents[i])?;
             }
@@ -371,10 +402,12 @@ impl Metadata {
             for &i in victims.iter().rev() {
                 self.al_extents.remove(i);
                 self.al_refs.remove(i);
+                self.al_released.remove(i);
             }
             for extent in missing {
                 self.al_extents.push(extent);
                 self.al_refs.push(0);
+                self.al_released.push(0);
             }
             self.write_activity_log()?;
         }
@@ -386,20 +419,38 @@ impl Metadata {
                 .position(|&e| e == extent)
                 .expect("activated above");
             let refs = self.al_refs.remove(i) + 1;
+            let released = self.al_released.remove(i);
             self.al_extents.remove(i);
             self.al_extents.push(extent);
             self.al_refs.push(refs);
+            self.al_released.push(released);
         }
         Ok(())
     }
 
-    /// Drops the references [`Metadata::activate`] took.
+    /// Drops the references [`Metadata::activate`] took, once the write finished (here and
+    /// on the peers it waits for).
     pub fn release(&mut self, extents: std::ops::RangeInclusive<u64>) {
         for extent in extents {
             if let Some(i) = self.al_extents.iter().position(|&e| e == extent) {
                 self.al_refs[i] = self.al_refs[i].saturating_sub(1);
+                self.al_released[i] = self.flush_generation;
             }
         }
+    }
+
+    /// A flush (local and on every peer) is about to start: writes that finished before
+    /// now are covered by it. Returns the generation to pass to [`Metadata::flush_done`].
+    pub fn begin_flush(&mut self) -> u64 {
+        let generation = self.flush_generation;
+        self.flush_generation += 1;
+        generation
+    }
+
+    /// The flush begun as `generation` completed: the extents whose writes it covered may
+    /// leave the log.
+    pub fn flush_done(&mut self, generation: u64) {
+        self.flushed_below = self.flushed_below.max(generation + 1);
     }
 
     /// Extents in the on-disk log.
@@ -436,7 +487,7 @@ impl Metadata {
         if length == 0 || offset >= self.superblock.size {
             return;
         }
-        let end = (offset + length).min(self.superblock.size);
+        let end = offset.saturating_add(length).min(self.superblock.size);
         for region in offset / REGION_SIZE..end.div_ceil(REGION_SIZE) {
             self.set_bit(peer, region, true);
         }
@@ -895,9 +946,17 @@ mod tests {
         metadata.activate(first.clone()).unwrap();
         metadata.mark_out_of_sync(0, 0, 4096);
         metadata.release(first);
-        // Fill the log until extent 0 is evicted.
+        // Fill the log until extent 0 is evicted (after a flush made its write durable).
         for extent in 1..=AL_SLOTS as u64 {
             let range = Metadata::extents_of(extent * EXTENT_SIZE, 1);
+            if extent == AL_SLOTS as u64 {
+                assert!(matches!(
+                    metadata.activate(range.clone()),
+                    Err(MetaError::ActivityLogNeedsFlush)
+                ));
+                let flush = metadata.begin_flush();
+                metadata.flush_done(flush);
+            }
             metadata.activate(range.clone()).unwrap();
             metadata.release(range);
         }
@@ -926,7 +985,19 @@ mod tests {
             Err(MetaError::ActivityLogBusy)
         ));
         metadata.release(Metadata::extents_of(0, 1));
+        // Extent 0 is idle, but its write may not be durable yet.
+        assert!(matches!(
+            metadata.activate(next.clone()),
+            Err(MetaError::ActivityLogNeedsFlush)
+        ));
+        let flush = metadata.begin_flush();
+        metadata.release(Metadata::extents_of(EXTENT_SIZE, 1));
+        metadata.flush_done(flush);
         metadata.activate(next).unwrap();
+        assert!(
+            metadata.logged_extents().contains(&1),
+            "a write that finished after the flush began keeps its extent logged"
+        );
         assert!(!metadata.logged_extents().contains(&0));
         // Re-activating a logged extent needs no log write.
         let seq = metadata.al_seq;

@@ -114,6 +114,10 @@ pub async fn run<S: Stream>(
         Ok(()) => debug!("{}", pipeline.ending),
         Err(e) => debug!("connection ended: {e}"),
     }
+    // Requests already submitted run to their end even though no reply can be sent: a
+    // write abandoned half-way would leave its range unlocked while the disk (or a
+    // replica) still applies it, and a later overlapping write could overtake it.
+    while pipeline.in_flight.next().await.is_some() {}
     let _ = stream.shutdown().await;
 }
 

@@ -415,7 +415,7 @@ def resync(work, size, fraction_step_mib):
         out_of_sync = int(re.search(r"resync: (\d+) bytes out of sync", start).group(1))
         sent = int(re.search(r"resync done: (\d+) bytes sent", done).group(1))
         seconds = log_time(done) - log_time(start)
-        setup.secondary.wait_for("in sync with the primary", 2)
+        setup.secondary.wait_for("in sync with the primary")
         return {"out_of_sync": out_of_sync, "sent": sent, "seconds": seconds,
                 "delayed_acks": delayed, "retrans": retrans}
     finally:
@@ -480,7 +480,7 @@ def main():
             for replicated in (False, True):
                 name = "replicated" if replicated else "unreplicated"
                 if "fua" not in args.skip or "seq" not in args.skip:
-                    setup = Setup(replicated, work, "2G")
+                    setup = Setup(replicated, work, "1G")
                     try:
                         if "fua" not in args.skip:
                             fua = fua_latency(setup, fua_count)
@@ -494,7 +494,7 @@ def main():
                     finally:
                         setup.stop()
                 if "pgbench" not in args.skip:
-                    setup = Setup(replicated, work, "2G")
+                    setup = Setup(replicated, work, "1G")
                     try:
                         tps = pgbench(setup, pg[0], 4, pg[1])
                         results["pgbench"][replicated].append(tps)

@@ -358,7 +358,8 @@ fn a_discard_and_zeroing_of_the_whole_device_complete_and_replicate() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let config = loopback_pair_sized(dir.path(), "512M");
+    // 1200 MiB: 300 extents, more than the log's 256 slots.
+    let config = loopback_pair_sized(dir.path(), "1200M");
     let primary = start_node(&config, "alpha", true);
     let secondary = start_node(&config, "beta", false);
     wait_for_log("beta", || secondary.stderr(), "in sync with the primary", 1);

@@ -25,9 +25,10 @@
 //! - **Generations** ([`generation`]): DRBD's UUID scheme, compared at every connect to
 //!   pick the resync direction or detect split brain.
 //! - **Metadata** ([`meta`]): per peer, a bit per 64 KiB region (a 1 TiB device needs
-//!   2 MiB of bitmap per peer; one random 4 KiB write marks 64 KiB for resync) and an activity log of 64
-//!   extents of 4 MiB, fdatasynced before a write to a new extent is submitted, so after
-//!   a crash at most 256 MiB plus the bitmap needs resync, never the whole device and
+//!   2 MiB of bitmap per peer; one random 4 KiB write marks 64 KiB for resync) and an activity log of 256
+//!   extents of 4 MiB, fdatasynced before a write to a new extent is submitted (an extent
+//!   leaves it only after a flush everywhere covered its writes), so after a crash at
+//!   most 1 GiB plus the bitmap needs resync, never the whole device and
 //!   never less than what may differ.
 //! - **Resync**: the source sends a CRC32C per out-of-sync region; the target answers
 //!   "in sync" or "need data", so equal regions cost a few dozen bytes, not 64 KiB.

@@ -22,8 +22,13 @@ use crate::backend::{
 };
 use crate::wire::NbdError;
 
-/// Regions a resync has in flight at once.
-const RESYNC_WINDOW: usize = 8;
+/// Regions a resync has in flight at once (4 MiB).
+const RESYNC_WINDOW: usize = 64;
+/// Regions resynced between two flushes of the target (16 MiB). Resync writes on the
+/// target are not FUA: buffered writes to one file run one at a time in io_uring's
+/// workers, so a FUA write (write + fdatasync) per 64 KiB region held the resync of a
+/// 4 GiB device to about 140 MB/s; a flush per 16 MiB costs one fdatasync.
+const RESYNC_FLUSH_REGIONS: usize = 256;
 
 /// Protocol A: payload bytes a peer may have unacknowledged before writes wait for it.
 const PROTOCOL_A_MAX_UNACKED: u64 = 64 << 20;
@@ -557,6 +562,10 @@ impl Shared {
         let mut region = 0;
         // Several regions in flight, so a resync is not one round trip per 64 KiB.
         let mut in_flight = FuturesUnordered::new();
+        // Regions the target wrote (without FUA) whose bits clear after its next flush,
+        // and the flushes under way (resync goes on while the target flushes).
+        let mut unflushed = Vec::new();
+        let mut flushes = FuturesUnordered::new();
         loop {
             while in_flight.len() < RESYNC_WINDOW {
                 let Some(next) = self.meta().next_out_of_sync(slot.index, region) else {
@@ -565,13 +574,32 @@ impl Shared {
                 region = next + 1;
                 in_flight.push(self.resync_region(slot, conn, next, size));
             }
-            let Some(done) = in_flight.next().await else {
+            if in_flight.is_empty() {
+                flushes.push(self.resync_flush(slot, conn, std::mem::take(&mut unflushed)));
+                while let Some(flushed) = flushes.next().await {
+                    flushed?;
+                }
                 break;
-            };
-            sent_bytes += done?;
-            // Rate limit on the bytes actually sent.
-            let due = Duration::from_secs_f64(sent_bytes as f64 / self.resource.resync_rate as f64);
-            tokio::time::sleep_until(started + due).await;
+            }
+            tokio::select! {
+                Some(done) = in_flight.next() => {
+                    let (done_region, sent) = done?;
+                    sent_bytes += sent;
+                    unflushed.push(done_region);
+                    if unflushed.len() >= RESYNC_FLUSH_REGIONS {
+                        flushes.push(self.resync_flush(slot, conn, std::mem::take(&mut unflushed)));
+                    }
+                    // Rate limit on the bytes actually sent. (No timer when on schedule:
+                    // even a deadline already past costs a timer turn.)
+                    let due = Duration::from_secs_f64(
+                        sent_bytes as f64 / self.resource.resync_rate as f64,
+                    );
+                    if started + due > tokio::time::Instant::now() {
+                        tokio::time::sleep_until(started + due).await;
+                    }
+                }
+                Some(flushed) = flushes.next(), if !flushes.is_empty() => flushed?,
+            }
         }
         {
             let mut meta = self.meta();
@@ -603,7 +631,7 @@ impl Shared {
         conn: &Arc<PeerConn>,
         region: u64,
         size: u64,
-    ) -> Result<u64, String> {
+    ) -> Result<(u64, u64), String> {
         if conn.is_closed() {
             return Err("connection closed".into());
         }
@@ -640,9 +668,35 @@ impl Shared {
         if status != ResyncStatus::InSync {
             return Err(format!("peer could not resync offset {offset}: {status:?}"));
         }
-        self.meta().mark_in_sync(slot.index, region);
-        slot.resync_done.fetch_add(1, Ordering::Relaxed);
-        Ok(sent)
+        Ok((region, sent))
+    }
+
+    /// Makes the target's resync writes durable (a barrier: it finishes what it received
+    /// and flushes), then clears their bits.
+    async fn resync_flush(
+        &self,
+        slot: &PeerSlot,
+        conn: &Arc<PeerConn>,
+        regions: Vec<u64>,
+    ) -> Result<(), String> {
+        if regions.is_empty() {
+            return Ok(());
+        }
+        let epoch = self.next_epoch.fetch_add(1, Ordering::Relaxed);
+        let reply = conn.request(WaitKey::Epoch(epoch), Message::Barrier { epoch });
+        match tokio::time::timeout(self.resource.peer_timeout, reply).await {
+            Ok(Ok(Message::BarrierAck { status: 0, .. })) => {}
+            Ok(Ok(other)) => return Err(format!("resync flush failed on the peer: {other:?}")),
+            Ok(Err(_)) => return Err("connection closed".into()),
+            Err(_) => return Err("resync flush timed out".into()),
+        }
+        let mut meta = self.meta();
+        for &region in regions.iter() {
+            meta.mark_in_sync(slot.index, region);
+        }
+        slot.resync_done
+            .fetch_add(regions.len() as u64, Ordering::Relaxed);
+        Ok(())
     }
 
     async fn await_resync(

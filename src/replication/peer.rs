@@ -767,9 +767,9 @@ async fn handle<'a>(
             must_be_target("resync data")?;
             let fits = in_range(size, offset, data.len() as u64);
             applying.push(Box::pin(async move {
-                // Durable before the source clears its bit.
+                // Made durable by the barrier the source sends before it clears the bit.
                 let result = if fits {
-                    local.write(offset, data, true).await
+                    local.write(offset, data, false).await
                 } else {
                     Err(out_of_range("resync", offset, 0))
                 };

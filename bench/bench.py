@@ -5,10 +5,13 @@ same fio jobs, servers interleaved (A B C A B C ...) so drift hits every server 
     /usr/bin/python3 bench/bench.py                 # every workload, 3 rounds, 5 s runs
     /usr/bin/python3 bench/bench.py --quick         # 1 round, 2 s runs (smoke test)
     /usr/bin/python3 bench/bench.py --only randread-qd32 seq-curve
+    /usr/bin/python3 bench/bench.py --only fs       # bonnie++ on ext4 via nbdfuse + loop (root)
 
 Writes bench/RESULTS.md (bench/RESULTS-quick.md with --quick) and SVG plots in bench/plots/.
 For every run it records the server's own CPU time (utime + stime from /proc/PID/stat) per
 million requests and the kernel's TCP delayed-ACK and retransmission counters (nstat).
+The fs row writes only its own `<!-- fs:begin -->` section of the report.
+NETBLK_BIN (or CARGO_TARGET_DIR) selects the netblk binary; else target/release/netblk.
 Standard library only (Debian's /usr/bin/python3).
 """
 
@@ -26,7 +29,10 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NETBLK = os.path.join(ROOT, "target", "release", "netblk")
+# NETBLK_BIN names the binary outright; otherwise it is where `cargo build --release` puts it,
+# which honours CARGO_TARGET_DIR (a worktree built into another target directory).
+NETBLK = os.environ.get("NETBLK_BIN") or os.path.join(
+    os.environ.get("CARGO_TARGET_DIR") or os.path.join(ROOT, "target"), "release", "netblk")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 SIZE = 512 << 20  # exports and backing file
 NSTAT_KEYS = ("TcpExtDelayedACKs", "TcpExtDelayedACKLost", "TcpRetransSegs")
@@ -167,6 +173,169 @@ def one_run(name, job_args, server_name, backing, runtime, scratch):
     return result
 
 
+# --- File-system row: bonnie++ on ext4, through nbdfuse and a loop device -----------------
+
+FS_WORKLOAD = "fs-bonnie"  # `--only fs` selects it
+LOCAL_FS = "local-ext4-loop"
+FS_SERVERS = ["netblk-file", "nbdkit-file", "qemu-nbd-file", LOCAL_FS]
+FS_SIZE = 4 << 30  # sparse backing file per run; ext4 is made on all of it
+# bonnie++ 2.00a CSV (format 1.98, see bon_csv2txt): column -> field index. K/s are KiB/s.
+BONNIE_FIELDS = {"put_block": 11, "rewrite": 13, "get_block": 17, "seeks": 19,
+                 "seq_create": 26, "seq_del": 30, "ran_create": 32, "ran_del": 36}
+FS_COLUMNS = [("put_block", "block write MiB/s", 1024), ("rewrite", "rewrite MiB/s", 1024),
+              ("get_block", "block read MiB/s", 1024), ("seeks", "random seeks/s", 1),
+              ("seq_create", "creates/s", 1), ("seq_del", "deletes/s", 1)]
+
+
+def fs_params(quick):
+    """bonnie++ sizes. The machine has far more RAM than any test file, so bonnie++ runs in a
+    memory cgroup of `ram` MiB (page cache included) and gets -r ram and -s 4–8× that: the block
+    read and seek phases then miss the cache and go through the loop device to the server.
+    -f skips the per-character phases (bonnie++'s own getc/putc loop, not I/O). The file size,
+    the seek count (default 8192) and the number of files are as large as they are because a
+    phase done in under 0.5 s prints '+++++' instead of a figure: the local row reads 1 GiB in
+    about that (this VM's disk is host memory)."""
+    ram, size, seeks, files = (128, 512, 16384, 32) if quick else (256, 2048, 65536, 64)
+    return {"ram": ram, "size": size, "args": ["-s", f"{size}:8192:{seeks}", "-r", str(ram), "-n", str(files), "-f"]}
+
+
+def memcg_create(name, limit_mib):
+    """A memory cgroup (v2 if its memory controller is on, else v1) capping page cache;
+    returns the path of its process list, or None when there is none to use."""
+    candidates = [("/sys/fs/cgroup/memory", "memory.limit_in_bytes", "tasks")]
+    try:
+        with open("/sys/fs/cgroup/cgroup.subtree_control") as f:
+            if "memory" in f.read().split():
+                candidates.insert(0, ("/sys/fs/cgroup", "memory.max", "cgroup.procs"))
+    except OSError:
+        pass
+    for base, limit_file, procs in candidates:
+        if not os.path.isdir(base):
+            continue
+        path = os.path.join(base, name)
+        try:
+            os.makedirs(path, exist_ok=True)
+            with open(os.path.join(path, limit_file), "w") as f:
+                f.write(str(limit_mib << 20))
+            return os.path.join(path, procs)
+        except OSError:
+            try:
+                os.rmdir(path)
+            except OSError:
+                pass
+    return None
+
+
+def run_bonnie(mountpoint, params, memcg_procs):
+    def enter_memcg():
+        if memcg_procs:
+            with open(memcg_procs, "w") as f:
+                f.write(str(os.getpid()))
+    argv = ["bonnie++", "-d", mountpoint, "-u", "root", "-q", *params["args"]]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, preexec_fn=enter_memcg)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bonnie++ failed ({proc.returncode}): {proc.stderr.strip()[-300:]}")
+    fields = proc.stdout.strip().splitlines()[-1].split(",")
+    if fields[0] != "1.98":
+        raise RuntimeError(f"unexpected bonnie++ CSV: {fields[:3]}")
+
+    def number(text):  # '+++++' = the phase took < 0.5 s, too short to time
+        try:
+            return float(text)
+        except ValueError:
+            return None
+    result = {k: number(fields[i]) for k, i in BONNIE_FIELDS.items()}
+    result["bonnie"] = f"bonnie++ {fields[1]}"
+    return result
+
+
+def fs_run(server_name, scratch, params):
+    """One bonnie++ run on a fresh ext4: for a server, on nbdfuse's file of its export through
+    a loop device; for the local row, on an image file on /var/tmp through a loop device.
+    Every mount, loop device, FUSE mount and process it made is undone, even on failure."""
+    work = tempfile.mkdtemp(prefix="fs-", dir=scratch)
+    backing, fuse_dir, fs_dir = (os.path.join(work, n) for n in ("disk.img", "fuse", "fs"))
+    os.mkdir(fuse_dir)
+    os.mkdir(fs_dir)
+    with open(backing, "wb") as f:
+        f.truncate(FS_SIZE)
+    proc = nbdfuse = loop = memcg_procs = None
+    fuse_mounted = fs_mounted = False
+    cleanup = []
+    try:
+        if server_name == LOCAL_FS:
+            device_file = backing
+        else:
+            port = free_port()
+            proc = SERVERS[server_name].start(port, backing)
+            pidfile, log = os.path.join(work, "nbdfuse.pid"), os.path.join(work, "nbdfuse.log")
+            with open(log, "w") as log_file:
+                nbdfuse = subprocess.Popen(["nbdfuse", "-P", pidfile, fuse_dir, f"nbd://127.0.0.1:{port}"],
+                                           stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+                                           start_new_session=True)
+            deadline = time.time() + 20
+            while not (os.path.exists(pidfile) and os.path.getsize(pidfile)):
+                if nbdfuse.poll() is not None:
+                    raise RuntimeError(f"nbdfuse exited: {open(log).read()[-300:]}")
+                if time.time() > deadline:
+                    raise RuntimeError("nbdfuse never became ready")
+                time.sleep(0.05)
+            fuse_mounted = True
+            device_file = os.path.join(fuse_dir, "nbd")
+        # Direct I/O in the loop driver, so the loop device does not keep a second page cache
+        # of the file below it (nbdfuse's file or the local image).
+        loop = subprocess.run(["losetup", "--find", "--show", "--direct-io=on", device_file],
+                              capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+        # Inode tables and journal initialised now, not by ext4lazyinit during the measurement.
+        subprocess.run(["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", loop],
+                       check=True, capture_output=True, timeout=300)
+        subprocess.run(["mount", loop, fs_dir], check=True, capture_output=True, timeout=60)
+        fs_mounted = True
+        memcg_procs = memcg_create(f"netblk-bench-fs-{os.getpid()}", params["ram"])
+        cpu0 = cpu_seconds(proc.pid) if proc else None
+        started = time.time()
+        result = run_bonnie(fs_dir, params, memcg_procs)
+        result["seconds"] = time.time() - started
+        result["server_cpu_s"] = cpu_seconds(proc.pid) - cpu0 if proc else None
+        result["memcg"] = memcg_procs is not None
+        return result
+    finally:
+        def attempt(what, fn):
+            try:
+                fn()
+            except Exception as e:  # keep undoing the rest
+                cleanup.append(f"{what}: {e}")
+        if fs_mounted:
+            attempt("umount", lambda: subprocess.run(["umount", fs_dir], check=True, capture_output=True, timeout=300))
+            if os.path.ismount(fs_dir):
+                attempt("umount -l", lambda: subprocess.run(["umount", "-l", fs_dir], check=True, capture_output=True, timeout=60))
+        if loop:
+            attempt("losetup -d", lambda: subprocess.run(["losetup", "-d", loop], check=True, capture_output=True, timeout=60))
+        if fuse_mounted or (nbdfuse and os.path.ismount(fuse_dir)):
+            def unmount_fuse():  # the loop device may let go of nbdfuse's file a moment later
+                for _ in range(50):
+                    if subprocess.run(["fusermount3", "-u", fuse_dir], capture_output=True, timeout=60).returncode == 0:
+                        return
+                    time.sleep(0.1)
+                subprocess.run(["fusermount3", "-u", "-z", fuse_dir], check=True, capture_output=True, timeout=60)
+                raise RuntimeError("busy for 5 s; unmounted lazily")
+            attempt("fusermount3 -u", unmount_fuse)
+        if nbdfuse:
+            try:
+                nbdfuse.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(nbdfuse.pid, signal.SIGKILL)
+                nbdfuse.wait()
+        if proc:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if memcg_procs:
+            attempt("rmdir memcg", lambda: os.rmdir(os.path.dirname(memcg_procs)))
+        shutil.rmtree(work, ignore_errors=True)
+        if cleanup:
+            print(f"cleanup after {server_name}: {'; '.join(cleanup)}", file=sys.stderr, flush=True)
+
+
 def median_range(values):
     values = [v for v in values if v is not None]
     if not values:
@@ -260,40 +429,67 @@ def main():
     if not os.path.exists(NETBLK):
         subprocess.run(["cargo", "build", "--release"], cwd=ROOT, check=True)
     selected = {k: v for k, v in workloads().items() if not args.only or any(k.startswith(o) for o in args.only)}
+    fs_selected = {}
+    if not args.only or any(FS_WORKLOAD.startswith(o) for o in args.only):
+        missing = [t for t in ("bonnie++", "nbdfuse", "fusermount3", "losetup", "mkfs.ext4") if not shutil.which(t)]
+        if os.geteuid() != 0 or missing:
+            print(f"skipping {FS_WORKLOAD}: needs root and {', '.join(missing) or 'its tools'}; "
+                  "the report keeps its old fs section", file=sys.stderr, flush=True)
+        elif not args.servers or set(args.servers) & set(FS_SERVERS):  # else keep the old section
+            fs_selected[FS_WORKLOAD] = (fs_params(args.quick), FS_SERVERS)
     scratch = tempfile.mkdtemp(prefix="netblk-bench-", dir="/var/tmp")
     backing = os.path.join(scratch, "disk.img")
-    with open(backing, "wb") as f:  # real data, so reads are not served from holes
-        block = os.urandom(1 << 20)
-        for _ in range(SIZE >> 20):
-            f.write(block)
+    if selected:
+        with open(backing, "wb") as f:  # real data, so reads are not served from holes
+            block = os.urandom(1 << 20)
+            for _ in range(SIZE >> 20):
+                f.write(block)
     results = {}  # (workload, server) -> [run results]
     errors = {}
     started = time.time()
-    ceiling = loopback_ceiling()
+    fs_elapsed = 0.0
+    ceiling = loopback_ceiling() if selected else None
     try:
-        for name, (job, servers) in selected.items():
+        for name, (job, servers) in [*selected.items(), *fs_selected.items()]:
             servers = [s for s in servers if not args.servers or s in args.servers]
             for r in range(rounds):
                 for server in servers:
                     key = (name, server)
                     try:
-                        results.setdefault(key, []).append(one_run(name, job, server, backing, runtime, scratch))
+                        if name in fs_selected:
+                            fs_started = time.time()
+                            try:
+                                run = fs_run(server, scratch, job)
+                            finally:
+                                fs_elapsed += time.time() - fs_started
+                            summary = (f"write {fmt(run['put_block'] and run['put_block'] / 1024)} MiB/s, "
+                                       f"read {fmt(run['get_block'] and run['get_block'] / 1024)} MiB/s, "
+                                       f"{fmt(run['seeks'])} seeks/s, {fmt(run['seq_create'])} creates/s "
+                                       f"({run['seconds']:.0f} s)")
+                        else:
+                            run = one_run(name, job, server, backing, runtime, scratch)
+                            summary = f"{fmt(run['iops'])} IOPS"
+                        results.setdefault(key, []).append(run)
+                        print(f"[{time.time() - started:6.0f}s] {name} round {r + 1} {server}: {summary}", flush=True)
                     except Exception as e:  # a failed run is reported, not fatal
                         errors[key] = str(e)
-                    print(f"[{time.time() - started:6.0f}s] {name} round {r + 1} {server}: "
-                          f"{fmt(results.get(key, [{}])[-1].get('iops'))} IOPS" if key not in errors else f"{name} {server}: {errors[key]}",
-                          flush=True)
+                        print(f"[{time.time() - started:6.0f}s] {name} round {r + 1} {server}: {e}", flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    write_report(args, selected, results, errors, rounds, runtime, ceiling, time.time() - started)
+    write_report(args, selected, fs_selected, results, errors, rounds, runtime, ceiling, time.time() - started, fs_elapsed)
 
 
 def med(results, key, field):
     return median_range([r.get(field) for r in results.get(key, [])])[0]
 
 
-def write_report(args, selected, results, errors, rounds, runtime, ceiling, elapsed):
+def write_report(args, selected, fs_selected, results, errors, rounds, runtime, ceiling, elapsed, fs_elapsed):
     out = os.path.join(ROOT, "bench", "RESULTS-quick.md" if args.quick else "RESULTS.md")
+    fresh = {"fs": fs_report(fs_selected, results, errors, rounds, fs_elapsed)} if fs_selected else {}
+    if not selected:  # only the fs row ran: leave the rest of the report as it was
+        replace_sections(out, fresh)
+        print(f"wrote {out}")
+        return
     plots = os.path.join(ROOT, "bench", "plots")
     os.makedirs(plots, exist_ok=True)
     lines = ["# Benchmark results", "",
@@ -377,22 +573,112 @@ def write_report(args, selected, results, errors, rounds, runtime, ceiling, elap
               "`--ioengine=io_uring --direct=1 --filename=FILE` instead):", ""]
     for name, (job, _) in selected.items():
         lines.append(f"- {name}: `{' '.join(job)}`")
-    lines += kept_sections(out)
+    lines += kept_sections(out, fresh)
     with open(out, "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {out}")
 
 
-def kept_sections(path):
+SECTION = r"<!-- (\w+):begin -->.*?<!-- \1:end -->"
+
+
+def kept_sections(path, fresh=None):
     """Sections other scripts own (`<!-- NAME:begin -->` … `<!-- NAME:end -->`), carried over
-    from the old report unchanged: bench/flush.py, bench/replication.py, and the history."""
-    if not os.path.exists(path):
-        return []
-    text = open(path).read()
+    from the old report unchanged: bench/flush.py, bench/replication.py, the history, and the
+    fs row when this run did not measure it. `fresh` maps a name to its new section text, which
+    takes the old one's place (or comes last if the old report had none)."""
+    fresh = dict(fresh or {})
     kept = []
-    for match in re.finditer(r"<!-- (\w+):begin -->.*?<!-- \1:end -->", text, re.S):
-        kept += ["", match.group(0)]
+    if os.path.exists(path):
+        for match in re.finditer(SECTION, open(path).read(), re.S):
+            kept += ["", fresh.pop(match.group(1), match.group(0))]
+    for text in fresh.values():
+        kept += ["", text]
     return kept
+
+
+def replace_sections(path, fresh):
+    """Put `fresh` sections into the report at `path` and change nothing else in it."""
+    fresh = dict(fresh)
+    text = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
+    text = re.sub(SECTION, lambda m: fresh.pop(m.group(1), m.group(0)), text, flags=re.S)
+    for section in fresh.values():
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def fs_report(fs_selected, results, errors, rounds, elapsed):
+    """The `fs` section: one table of bonnie++ medians (min–max) per server, then ratios."""
+    params, servers = fs_selected[FS_WORKLOAD]
+    runs = [r for s in servers for r in results.get((FS_WORKLOAD, s), [])]
+    bonnie = runs[0]["bonnie"] if runs else "bonnie++"
+
+    def first_line(argv):
+        try:
+            out = subprocess.run(argv, capture_output=True, text=True)
+            return (out.stdout or out.stderr).strip().splitlines()[0]
+        except (OSError, IndexError):
+            return "missing"
+    machine = [v for v in versions() if not v.startswith("fio")]
+    machine[1:1] = [bonnie, first_line(["nbdfuse", "--version"])]
+    limited = all(r["memcg"] for r in runs)
+    lines = ["<!-- fs:begin -->", "## File system: bonnie++ on ext4 through nbdfuse and loop", "",
+             f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by "
+             f"`{' '.join(['bench/bench.py', *sys.argv[1:]])}` "
+             f"({rounds} round{'s' if rounds != 1 else ''}, servers interleaved, {elapsed / 60:.1f} min). "
+             "Machine: " + "; ".join(machine) + ".", "",
+             f"Each run starts the server afresh on a new {FS_SIZE >> 30} GiB sparse file on /var/tmp (the "
+             "server command lines of the file rows above: netblk with its default page-cache backend, "
+             "nbdkit's file plugin, qemu-nbd `--cache=none --aio=io_uring`), then "
+             "`nbdfuse MNT nbd://127.0.0.1:PORT` (all three advertise multi-conn, so nbdfuse opens 4 "
+             "connections), `losetup --find --show --direct-io=on MNT/nbd`, "
+             "`mkfs.ext4 -q -F -E lazy_itable_init=0,lazy_journal_init=0`, mount, and "
+             f"`bonnie++ -d FS -u root -q {' '.join(params['args'])}`. The local row is the same ext4 on a "
+             "loop device over a sparse image file on /var/tmp, without server or FUSE. "
+             + (f"bonnie++ runs in a memory cgroup of {params['ram']} MiB (page cache included), so its "
+                f"{params['size']} MiB of files do not fit in the cache: the block read and seek phases "
+                "reach the server, and block write is bounded by writeback through it. Without that limit "
+                f"this {os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / (1 << 30):.0f} GiB machine "
+                "serves them from the page cache and bonnie++ prints '+++++' (too fast to time). "
+                if limited else
+                "**No memory cgroup could be made: the figures are bound by the page cache.** ")
+             + "MiB/s is bonnie++'s K/s ÷ 1024. Creates and deletes are the sequential create and "
+             "delete of empty files: metadata work in the kernel's caches and the ext4 journal that "
+             "reaches the server only through journal commits and writeback, so those columns measure "
+             "the kernel and FUSE more than the NBD server. Server CPU is the server's utime+stime over "
+             "the bonnie++ run. Medians with min–max; this VM's disk is backed by host memory.", ""]
+    header = [c[1] for c in FS_COLUMNS] + ["server CPU s", "bonnie++ s"]
+    lines += ["| server | " + " | ".join(header) + " |", "|---" * (len(header) + 1) + "|"]
+    medians = {}
+    for server in servers:
+        key = (FS_WORKLOAD, server)
+        runs = results.get(key, [])
+        if not runs:
+            if key in errors:
+                lines.append(f"| {server} | error: {errors[key][:100].replace('|', '/')} |" + " |" * (len(header) - 1))
+            continue
+        cells = []
+        for field, _, scale in FS_COLUMNS:
+            mid, lo, hi = median_range([r[field] / scale if r[field] is not None else None for r in runs])
+            medians[(server, field)] = mid
+            cells.append(f"{fmt(mid)} ({fmt(lo)}–{fmt(hi)})" if len(runs) > 1 and mid is not None else fmt(mid))
+        cells.append(fmt(median_range([r["server_cpu_s"] for r in runs])[0], 1))
+        cells.append(fmt(median_range([r["seconds"] for r in runs])[0]))
+        note = f" ({len(runs)} of {rounds} runs; last error: {errors[key][:60].replace('|', '/')})" if key in errors else ""
+        lines.append(f"| {server}{note} | " + " | ".join(cells) + " |")
+
+    def ratio_row(label, others):
+        cells = []
+        for field, _, _ in FS_COLUMNS:
+            ours = medians.get(("netblk-file", field))
+            best = max((medians.get((o, field)) for o in others if medians.get((o, field))), default=None)
+            cells.append(f"{ours / best:.2f}×" if ours is not None and best else "–")
+        lines.append(f"| {label} | " + " | ".join(cells) + " | | |")
+    ratio_row("**netblk ÷ best of nbdkit, qemu-nbd**", ["nbdkit-file", "qemu-nbd-file"])
+    ratio_row("**netblk ÷ local**", [LOCAL_FS])
+    lines.append("<!-- fs:end -->")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -219,22 +219,28 @@ def wait_socket(path, timeout=30):
 class Setup:
     """One export in the primary's namespace, with or without a replica."""
 
-    def __init__(self, replicated, work, size, resync_rate="100G"):
+    def __init__(self, replicated, work, size, resync_rate="100G", secondary_dir=None):
         self.replicated = replicated
         self.dir = tempfile.mkdtemp(prefix="repl-" if replicated else "plain-", dir=work)
         os.chmod(self.dir, 0o755)  # PostgreSQL runs as its own user below this
         self.socket = os.path.join(self.dir, "alpha.sock")
         self.size = size
         self.procs = []
+        if secondary_dir:
+            secondary_dir = tempfile.mkdtemp(prefix="beta-", dir=secondary_dir)
+            self.cleanup_dirs = [secondary_dir]
+        else:
+            self.cleanup_dirs = []
         if replicated:
             self.config = os.path.join(self.dir, "r.toml")
             with open(self.config, "w") as f:
                 f.write(f'[resource]\nname = "bench"\nsize = "{size}"\n'
                         f'peer_timeout = "3s"\nresync_rate = "{resync_rate}"\nprotocol = "C"\n')
                 for name, addr in (("alpha", ADDR[0]), ("beta", ADDR[1])):
+                    data = secondary_dir if (name == "beta" and secondary_dir) else self.dir
                     f.write(f'\n[[node]]\nname = "{name}"\nreplication = "{addr}:7788"\n'
                             f'listen = "unix:{self.dir}/{name}.sock"\n'
-                            f'backing = "{self.dir}/{name}.img"\nmetadata = "{self.dir}/{name}.meta"\n')
+                            f'backing = "{data}/{name}.img"\nmetadata = "{data}/{name}.meta"\n')
             self.primary = self.node("alpha", True)
             self.secondary = self.node("beta", False)
             self.secondary.wait_for("in sync with the primary")
@@ -264,6 +270,8 @@ class Setup:
         for p in reversed(self.procs):
             p.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
+        for d in self.cleanup_dirs:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 # ---- workloads ----
@@ -448,6 +456,10 @@ def main():
     parser.add_argument("--quick", action="store_true", help="a smoke run")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--skip", nargs="*", default=[], choices=["fua", "seq", "pgbench", "resync"])
+    parser.add_argument("--secondary-dir", help="a directory on another file system for the secondary's "
+                        "backing and metadata (a diagnostic: by default both nodes share /var/tmp, so "
+                        "their fdatasyncs share one ext4 journal, as no two real hosts would)")
+    parser.add_argument("--no-write", action="store_true", help="print, do not write RESULTS.md")
     args = parser.parse_args()
     if os.geteuid() != 0:
         sys.exit("needs root: network namespaces, loop devices and mounts")
@@ -480,7 +492,7 @@ def main():
             for replicated in (False, True):
                 name = "replicated" if replicated else "unreplicated"
                 if "fua" not in args.skip or "seq" not in args.skip:
-                    setup = Setup(replicated, work, "1G")
+                    setup = Setup(replicated, work, "1G", secondary_dir=args.secondary_dir)
                     try:
                         if "fua" not in args.skip:
                             fua = fua_latency(setup, fua_count)
@@ -510,8 +522,12 @@ def main():
         remove_namespaces()
         shutil.rmtree(work, ignore_errors=True)
     elapsed = time.time() - started
-    write_section(report(results, rounds, fua_count, runtime, pg, resync_size, step, elapsed, quick))
-    log(f"wrote {RESULTS} ({elapsed / 60:.1f} min)")
+    text = report(results, rounds, fua_count, runtime, pg, resync_size, step, elapsed, quick)
+    if args.no_write:
+        print(text)
+    else:
+        write_section(text)
+        log(f"wrote {RESULTS} ({elapsed / 60:.1f} min)")
 
 
 def report(results, rounds, fua_count, runtime, pg, resync_size, step, elapsed, quick):

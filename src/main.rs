@@ -45,6 +45,10 @@ enum Commands {
         /// Print the status as JSON.
         #[arg(long)]
         json: bool,
+        /// Follow a running resync until it ends: a progress bar per peer in a terminal,
+        /// a plain line per second otherwise.
+        #[arg(long, conflicts_with = "json")]
+        watch: bool,
     },
     /// Make a replicated node primary. Refused while a peer is primary, and for a node
     /// whose data may be older than a peer's unless --force (which starts a new data
@@ -168,7 +172,12 @@ fn main() -> std::process::ExitCode {
         .init();
     let result = match cli.command {
         Commands::Serve(args) => run_serve(args),
-        Commands::Status { target, json } => run_control_command(&target, "status", json),
+        Commands::Status {
+            target,
+            watch: true,
+            ..
+        } => watch_resync(&target),
+        Commands::Status { target, json, .. } => run_control_command(&target, "status", json),
         Commands::Promote { target, force } => {
             let request = if force { "promote --force" } else { "promote" };
             run_control_command(&target, request, false)
@@ -332,9 +341,10 @@ fn run_replicated(args: &ServeArgs, path: &std::path::Path) -> anyhow::Result<()
 }
 
 /// Sends one request to a node's control socket and prints the answer.
-fn run_control_command(target: &ControlTarget, request: &str, json: bool) -> anyhow::Result<()> {
-    use netblk::replication::{config::ResourceConfig, control};
-    let path = match (&target.control, &target.config, &target.node) {
+/// The control socket a command names (directly, or through the resource file).
+fn control_path(target: &ControlTarget) -> anyhow::Result<std::path::PathBuf> {
+    use netblk::replication::config::ResourceConfig;
+    Ok(match (&target.control, &target.config, &target.node) {
         (Some(path), _, _) => path.clone(),
         (None, Some(config), Some(node)) => ResourceConfig::load(config)?
             .node(node)
@@ -342,7 +352,75 @@ fn run_control_command(target: &ControlTarget, request: &str, json: bool) -> any
             .control
             .clone(),
         _ => bail!("give --config FILE --node NAME, or --control PATH"),
-    };
+    })
+}
+
+/// `netblk status --watch`: resync progress until no peer is resyncing, as progress bars
+/// (bytes, rate, ETA) in a terminal and as one plain line per second otherwise.
+fn watch_resync(target: &ControlTarget) -> anyhow::Result<()> {
+    use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+    use netblk::replication::control;
+    use std::collections::HashMap;
+    let path = control_path(target)?;
+    let terminal = std::io::stdout().is_terminal();
+    let bars = MultiProgress::new();
+    let style = ProgressStyle::with_template(
+        "{prefix:>8} [{bar:40}] {bytes}/{total_bytes} {binary_bytes_per_sec} ETA {eta}",
+    )?
+    .progress_chars("=> ");
+    let mut shown: HashMap<String, ProgressBar> = HashMap::new();
+    loop {
+        let reply = control::request(&path, "status")?;
+        let Some(status) = reply.status else {
+            bail!("status: {}", reply.message);
+        };
+        let running: Vec<_> = status.peers.iter().filter(|p| p.resyncing()).collect();
+        if terminal {
+            for peer in &running {
+                let bar = shown.entry(peer.name.clone()).or_insert_with(|| {
+                    let bar = bars.add(ProgressBar::new(peer.resync_total_bytes));
+                    bar.set_style(style.clone());
+                    bar.set_prefix(peer.name.clone());
+                    bar
+                });
+                bar.set_length(peer.resync_total_bytes);
+                bar.set_position(peer.resync_done_bytes);
+            }
+            for (name, bar) in &shown {
+                if !running.iter().any(|p| &p.name == name) {
+                    bar.finish();
+                }
+            }
+        } else {
+            for peer in &running {
+                println!(
+                    "{}: resync {}/{} bytes at {:.1} MB/s, ETA {}",
+                    peer.name,
+                    peer.resync_done_bytes,
+                    peer.resync_total_bytes,
+                    peer.resync_rate_bytes_per_sec as f64 / 1e6,
+                    peer.resync_eta_seconds
+                        .map_or("unknown".into(), |s| format!("{s} s"))
+                );
+            }
+        }
+        if running.is_empty() {
+            if !terminal || shown.is_empty() {
+                print!("{}", control::render(&status));
+            }
+            return Ok(());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(if terminal {
+            200
+        } else {
+            1000
+        }));
+    }
+}
+
+fn run_control_command(target: &ControlTarget, request: &str, json: bool) -> anyhow::Result<()> {
+    use netblk::replication::control;
+    let path = control_path(target)?;
     let reply = control::request(&path, request)?;
     let mut stdout = std::io::stdout().lock();
     if json {

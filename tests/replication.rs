@@ -225,6 +225,18 @@ fn a_killed_secondary_is_resynced_from_the_bitmap_only() {
         sent > 0 && sent < 16 << 20,
         "resync sent {sent} bytes: expected only the changed regions"
     );
+    // Status reports the finished pass with its rate; --watch returns once nothing resyncs.
+    let status = status_json(&config, "alpha");
+    let peer = &status["status"]["peers"][0];
+    assert!(
+        peer["resync_rate_bytes_per_sec"].as_u64().unwrap() > 0,
+        "{peer}"
+    );
+    assert_eq!(peer["resync_done_bytes"], peer["resync_total_bytes"]);
+    let watched = netblk(&["status", "--watch", "--node", "alpha"], &config);
+    assert!(watched.status.success(), "{watched:?}");
+    let text = String::from_utf8_lossy(&watched.stdout);
+    assert!(text.contains("MB/s, done"), "{text}");
     assert!(primary.stop().success());
     assert!(secondary.stop().success());
     assert_same_files(&dir.path().join("alpha.img"), &dir.path().join("beta.img"));

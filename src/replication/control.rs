@@ -47,6 +47,19 @@ pub struct PeerStatus {
     pub resync_sent_bytes: u64,
     /// Bytes this peer misses (its own bitmap).
     pub out_of_sync_bytes: u64,
+    /// Bytes per second of the current (or last) resync pass, over the whole pass.
+    #[serde(default)]
+    pub resync_rate_bytes_per_sec: u64,
+    /// Seconds the current pass still needs at that rate (`None` when none runs).
+    #[serde(default)]
+    pub resync_eta_seconds: Option<u64>,
+}
+
+impl PeerStatus {
+    /// Whether a resync pass to or from this peer is under way.
+    pub fn resyncing(&self) -> bool {
+        self.connected && self.resync_done_bytes < self.resync_total_bytes
+    }
 }
 
 /// The reply to any control request.
@@ -78,6 +91,19 @@ impl Shared {
             .iter()
             .map(|slot| {
                 let conn = slot.conn.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                let done = slot.resync_done.load(Ordering::Relaxed) * REGION_SIZE;
+                let total = slot.resync_total.load(Ordering::Relaxed) * REGION_SIZE;
+                let clock = *slot.resync_clock.lock().unwrap_or_else(|e| e.into_inner());
+                let (rate, eta) = match clock {
+                    Some((start, end)) => {
+                        let end = end.unwrap_or_else(std::time::Instant::now);
+                        let seconds = end.duration_since(start).as_secs_f64().max(1e-3);
+                        let rate = (done as f64 / seconds) as u64;
+                        let eta = (done < total && rate > 0).then(|| (total - done).div_ceil(rate));
+                        (rate, eta)
+                    }
+                    None => (0, None),
+                };
                 let link = match conn.as_ref().map(|c| c.plan) {
                     None => "disconnected",
                     Some(Plan::Source { .. }) => "source",
@@ -91,10 +117,12 @@ impl Shared {
                     replicating: conn
                         .as_ref()
                         .is_some_and(|c| c.replicating.load(Ordering::Acquire)),
-                    resync_done_bytes: slot.resync_done.load(Ordering::Relaxed) * REGION_SIZE,
-                    resync_total_bytes: slot.resync_total.load(Ordering::Relaxed) * REGION_SIZE,
+                    resync_done_bytes: done,
+                    resync_total_bytes: total,
                     resync_sent_bytes: slot.resync_sent.load(Ordering::Relaxed),
                     out_of_sync_bytes: per_peer[slot.index],
+                    resync_rate_bytes_per_sec: rate,
+                    resync_eta_seconds: conn.is_some().then_some(eta).flatten(),
                 }
             })
             .collect();
@@ -348,9 +376,17 @@ pub fn render(status: &Status) -> String {
         }
         if peer.resync_total_bytes > 0 {
             text.push_str(&format!(
-                ", resync {}/{} bytes ({} sent, the rest equal)",
-                peer.resync_done_bytes, peer.resync_total_bytes, peer.resync_sent_bytes
+                ", resync {}/{} bytes ({} sent, the rest equal) at {:.1} MB/s",
+                peer.resync_done_bytes,
+                peer.resync_total_bytes,
+                peer.resync_sent_bytes,
+                peer.resync_rate_bytes_per_sec as f64 / 1e6
             ));
+            match peer.resync_eta_seconds {
+                Some(eta) if peer.resyncing() => text.push_str(&format!(", ETA {eta} s")),
+                _ if peer.resyncing() => text.push_str(", ETA unknown"),
+                _ => text.push_str(", done"),
+            }
         }
         text.push('\n');
     }

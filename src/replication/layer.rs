@@ -44,6 +44,8 @@ pub struct PeerSlot {
     pub resync_total: AtomicU64,
     /// Bytes of data the current pass actually sent (the rest had equal checksums).
     pub resync_sent: AtomicU64,
+    /// When the current (or last) pass started, and when it ended: for rate and ETA.
+    pub resync_clock: Mutex<Option<(std::time::Instant, Option<std::time::Instant>)>>,
 }
 
 /// State shared by the backend, the peer connections and the control socket.
@@ -96,6 +98,7 @@ impl Shared {
                 resync_done: AtomicU64::new(0),
                 resync_total: AtomicU64::new(0),
                 resync_sent: AtomicU64::new(0),
+                resync_clock: Mutex::new(None),
             })
             .collect();
         Ok(Arc::new(Shared {
@@ -556,6 +559,8 @@ impl Shared {
         slot.resync_total.store(total, Ordering::Relaxed);
         slot.resync_done.store(0, Ordering::Relaxed);
         slot.resync_sent.store(0, Ordering::Relaxed);
+        *slot.resync_clock.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some((std::time::Instant::now(), None));
         info!(peer = %slot.config.name, "resync: {} bytes out of sync", total * REGION_SIZE);
         let started = tokio::time::Instant::now();
         let mut sent_bytes = 0u64;
@@ -619,6 +624,14 @@ impl Shared {
                 disk: DiskState::UpToDate,
                 generations,
             });
+        }
+        if let Some((_, end)) = slot
+            .resync_clock
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_mut()
+        {
+            *end = Some(std::time::Instant::now());
         }
         info!(peer = %slot.config.name, "resync done: {sent_bytes} bytes sent, the rest had equal checksums");
         Ok(())

@@ -571,15 +571,23 @@ impl Shared {
         // and the flushes under way (resync goes on while the target flushes).
         let mut unflushed = Vec::new();
         let mut flushes = FuturesUnordered::new();
+        let mut exhausted = false;
         loop {
-            while in_flight.len() < RESYNC_WINDOW {
+            // Rate limit on the bytes actually sent: new regions start only when on
+            // schedule, while those in flight are still polled (they hold range locks
+            // that client writes may be waiting for).
+            let due = started
+                + Duration::from_secs_f64(sent_bytes as f64 / self.resource.resync_rate as f64);
+            let on_schedule = due <= tokio::time::Instant::now();
+            while on_schedule && !exhausted && in_flight.len() < RESYNC_WINDOW {
                 let Some(next) = self.meta().next_out_of_sync(slot.index, region) else {
+                    exhausted = true;
                     break;
                 };
                 region = next + 1;
                 in_flight.push(self.resync_region(slot, conn, next, size));
             }
-            if in_flight.is_empty() {
+            if exhausted && in_flight.is_empty() {
                 flushes.push(self.resync_flush(slot, conn, std::mem::take(&mut unflushed)));
                 while let Some(flushed) = flushes.next().await {
                     flushed?;
@@ -587,23 +595,16 @@ impl Shared {
                 break;
             }
             tokio::select! {
-                Some(done) = in_flight.next() => {
+                Some(done) = in_flight.next(), if !in_flight.is_empty() => {
                     let (done_region, sent) = done?;
                     sent_bytes += sent;
                     unflushed.push(done_region);
                     if unflushed.len() >= RESYNC_FLUSH_REGIONS {
                         flushes.push(self.resync_flush(slot, conn, std::mem::take(&mut unflushed)));
                     }
-                    // Rate limit on the bytes actually sent. (No timer when on schedule:
-                    // even a deadline already past costs a timer turn.)
-                    let due = Duration::from_secs_f64(
-                        sent_bytes as f64 / self.resource.resync_rate as f64,
-                    );
-                    if started + due > tokio::time::Instant::now() {
-                        tokio::time::sleep_until(started + due).await;
-                    }
                 }
                 Some(flushed) = flushes.next(), if !flushes.is_empty() => flushed?,
+                () = tokio::time::sleep_until(due), if !on_schedule => {}
             }
         }
         {

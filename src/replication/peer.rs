@@ -571,7 +571,9 @@ async fn read_loop(
                     conn.send(reply);
                 }
             }
-            read = tokio::time::timeout(timeout, reader.read_buf(&mut buf)) => match read {
+            // Back-pressure: a peer cannot queue more work here than MAX_APPLYING requests
+            // (each up to 32 MiB); TCP flow control holds the rest on its side.
+            read = tokio::time::timeout(timeout, reader.read_buf(&mut buf)), if applying.len() < MAX_APPLYING => match read {
                 Err(_) => return format!("silent for {timeout:?}"),
                 Ok(Ok(0)) => return "peer closed the connection".into(),
                 Ok(Ok(_)) => {}
@@ -580,6 +582,9 @@ async fn read_loop(
         }
     }
 }
+
+/// Requests from one peer being applied or answered at once.
+const MAX_APPLYING: usize = 1024;
 
 fn errno_of(result: &Result<(), crate::backend::BackendError>) -> u32 {
     match result {

@@ -219,7 +219,7 @@ def wait_socket(path, timeout=30):
 class Setup:
     """One export in the primary's namespace, with or without a replica."""
 
-    def __init__(self, replicated, work, size, resync_rate="100G", secondary_dir=None):
+    def __init__(self, replicated, work, size, resync_rate="100G", secondary_dir=None, memory=False):
         self.replicated = replicated
         self.dir = tempfile.mkdtemp(prefix="repl-" if replicated else "plain-", dir=work)
         os.chmod(self.dir, 0o755)  # PostgreSQL runs as its own user below this
@@ -238,16 +238,18 @@ class Setup:
                         f'peer_timeout = "3s"\nresync_rate = "{resync_rate}"\nprotocol = "C"\n')
                 for name, addr in (("alpha", ADDR[0]), ("beta", ADDR[1])):
                     data = secondary_dir if (name == "beta" and secondary_dir) else self.dir
+                    backing = f"memory:{size}" if memory else f"{data}/{name}.img"
                     f.write(f'\n[[node]]\nname = "{name}"\nreplication = "{addr}:7788"\n'
                             f'listen = "unix:{self.dir}/{name}.sock"\n'
-                            f'backing = "{data}/{name}.img"\nmetadata = "{data}/{name}.meta"\n')
+                            f'backing = "{backing}"\nmetadata = "{data}/{name}.meta"\n')
             self.primary = self.node("alpha", True)
             self.secondary = self.node("beta", False)
             self.secondary.wait_for("in sync with the primary")
         else:
             image = os.path.join(self.dir, "plain.img")
             self.primary = self.proc(in_ns(NS[0], [NETBLK, "serve", "--size", size, "--listen",
-                                                   f"unix:{self.socket}", image]), "plain.log")
+                                                   f"unix:{self.socket}",
+                                                   f"memory:{size}" if memory else image]), "plain.log")
         wait_socket(self.socket)
 
     def proc(self, argv, name):
@@ -459,6 +461,8 @@ def main():
     parser.add_argument("--secondary-dir", help="a directory on another file system for the secondary's "
                         "backing and metadata (a diagnostic: by default both nodes share /var/tmp, so "
                         "their fdatasyncs share one ext4 journal, as no two real hosts would)")
+    parser.add_argument("--memory", action="store_true", help="memory backends on every node (a diagnostic: "
+                        "the protocol's cost without any disk)")
     parser.add_argument("--no-write", action="store_true", help="print, do not write RESULTS.md")
     args = parser.parse_args()
     if os.geteuid() != 0:
@@ -492,7 +496,8 @@ def main():
             for replicated in (False, True):
                 name = "replicated" if replicated else "unreplicated"
                 if "fua" not in args.skip or "seq" not in args.skip:
-                    setup = Setup(replicated, work, "1G", secondary_dir=args.secondary_dir)
+                    setup = Setup(replicated, work, "1G", secondary_dir=args.secondary_dir,
+                                  memory=args.memory)
                     try:
                         if "fua" not in args.skip:
                             fua = fua_latency(setup, fua_count)

@@ -336,6 +336,18 @@ fn check_name(name: &str) -> Result<(), String> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn the_examples_in_the_repository_parse() {
+        for (text, nodes) in [
+            (include_str!("../../examples/two-nodes.toml"), 2),
+            (include_str!("../../examples/three-nodes.toml"), 3),
+        ] {
+            let config = ResourceConfig::parse(text, "example").unwrap();
+            assert_eq!(config.nodes.len(), nodes);
+        }
+    }
+
     use super::*;
 
     const TWO_NODES: &str = r#"

@@ -46,6 +46,7 @@ NS = ("nbrbenchA", "nbrbenchB")
 VETH = ("nbrbva", "nbrbvb")
 ADDR = ("10.233.0.1", "10.233.0.2")
 PG_BIN = "/usr/lib/postgresql/15/bin"
+PROTOCOL = ["C"]  # set from --protocol
 
 
 def log(message):
@@ -235,7 +236,7 @@ class Setup:
             self.config = os.path.join(self.dir, "r.toml")
             with open(self.config, "w") as f:
                 f.write(f'[resource]\nname = "bench"\nsize = "{size}"\n'
-                        f'peer_timeout = "3s"\nresync_rate = "{resync_rate}"\nprotocol = "C"\n')
+                        f'peer_timeout = "3s"\nresync_rate = "{resync_rate}"\nprotocol = "{PROTOCOL[0]}"\n')
                 for name, addr in (("alpha", ADDR[0]), ("beta", ADDR[1])):
                     data = secondary_dir if (name == "beta" and secondary_dir) else self.dir
                     backing = f"memory:{size}" if memory else f"{data}/{name}.img"
@@ -286,8 +287,10 @@ count = int(sys.argv[2])
 blocks = h.get_size() // 4096
 buf = bytearray(random.randbytes(4096))
 rng = random.Random(7)
-for i in range(200):  # warm up
-    h.pwrite(buf, rng.randrange(blocks) * 4096, nbd.CMD_FLAG_FUA)
+# Warm up: one write in every 4 MiB extent, so the measured writes see the steady state
+# (every extent already in the replication activity log, as on a running system).
+for extent in range(h.get_size() // (4 << 20)):
+    h.pwrite(buf, extent * (4 << 20), nbd.CMD_FLAG_FUA)
 lat = []
 for i in range(count):
     off = rng.randrange(blocks) * 4096
@@ -461,10 +464,13 @@ def main():
     parser.add_argument("--secondary-dir", help="a directory on another file system for the secondary's "
                         "backing and metadata (a diagnostic: by default both nodes share /var/tmp, so "
                         "their fdatasyncs share one ext4 journal, as no two real hosts would)")
+    parser.add_argument("--protocol", choices=["A", "B", "C"], default="C",
+                        help="replication protocol (the targets are for C)")
     parser.add_argument("--memory", action="store_true", help="memory backends on every node (a diagnostic: "
                         "the protocol's cost without any disk)")
     parser.add_argument("--no-write", action="store_true", help="print, do not write RESULTS.md")
     args = parser.parse_args()
+    PROTOCOL[0] = args.protocol
     if os.geteuid() != 0:
         sys.exit("needs root: network namespaces, loop devices and mounts")
     for tool in ("iperf3", "fio", "nbdfuse", "nstat", "pgbench", "losetup", "mkfs.ext4"):
@@ -542,7 +548,7 @@ def report(results, rounds, fua_count, runtime, pg, resync_size, step, elapsed, 
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} at netblk {commit}"
         f"{' (quick run)' if quick else ''}: {rounds} round(s), unreplicated and replicated "
         f"alternating within each round, {elapsed / 60:.1f} min in all. The primary and the "
-        "secondary run in two network namespaces joined by a veth pair (protocol C, "
+        "secondary run in two network namespaces joined by a veth pair (protocol {PROTOCOL[0]}, "
         "`--cache` default for files: writeback); the clients reach the primary over a Unix "
         "socket, so the replication link is the only TCP. The unreplicated row is plain "
         "`netblk serve` on a Unix socket in the primary's namespace. Both namespaces share this "

@@ -548,7 +548,7 @@ def report(results, rounds, fua_count, runtime, pg, resync_size, step, elapsed, 
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} at netblk {commit}"
         f"{' (quick run)' if quick else ''}: {rounds} round(s), unreplicated and replicated "
         f"alternating within each round, {elapsed / 60:.1f} min in all. The primary and the "
-        "secondary run in two network namespaces joined by a veth pair (protocol {PROTOCOL[0]}, "
+        f"secondary run in two network namespaces joined by a veth pair (protocol {PROTOCOL[0]}, "
         "`--cache` default for files: writeback); the clients reach the primary over a Unix "
         "socket, so the replication link is the only TCP. The unreplicated row is plain "
         "`netblk serve` on a Unix socket in the primary's namespace. Both namespaces share this "

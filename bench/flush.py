@@ -21,11 +21,12 @@ import sys
 import tempfile
 import time
 
+from sections import write_section
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 NETBLK = os.path.join(ROOT, "target", "release", "netblk")
 RESULTS = os.path.join(HERE, "RESULTS.md")
-BEGIN, END = "<!-- flush:begin -->", "<!-- flush:end -->"
 SIZES = ["512", "1k", "2k", "4k", "8k", "16k", "64k"]
 CONNECTIONS = [1, 2, 4, 8, 16]
 DISK_SIZE = 1 << 30
@@ -147,17 +148,6 @@ def svg_lines(path, title, xlabel, ylabel, xs, series, logx=False):
         f.write("\n".join(parts))
 
 
-def write_section(text):
-    old = open(RESULTS).read() if os.path.exists(RESULTS) else ""
-    block = f"{BEGIN}\n{text}\n{END}"
-    if BEGIN in old and END in old:
-        new = old[:old.index(BEGIN)] + block + old[old.index(END) + len(END):]
-    else:
-        new = old.rstrip() + "\n\n" + block + "\n"
-    with open(RESULTS, "w") as f:
-        f.write(new)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run")
@@ -255,7 +245,7 @@ def main():
               "grows with the data written since the last one.", "",
               "![write+flush by connections](plots/flush-connections.svg) "
               "![flush time against dirty data](plots/flush-dirty.svg)"]
-    write_section("\n".join(lines))
+    write_section(RESULTS, "flush", "\n".join(lines))
     print("\n".join(lines))
 
 

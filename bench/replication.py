@@ -37,11 +37,12 @@ import tempfile
 import time
 from datetime import datetime
 
+from sections import write_section
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 NETBLK = os.path.join(ROOT, "target", "release", "netblk")
 RESULTS = os.path.join(HERE, "RESULTS.md")
-BEGIN, END = "<!-- replication:begin -->", "<!-- replication:end -->"
 NS = ("nbrbenchA", "nbrbenchB")
 VETH = ("nbrbva", "nbrbvb")
 ADDR = ("10.233.0.1", "10.233.0.2")
@@ -445,17 +446,6 @@ def spread(values, fmt):
     return f"{fmt(med(values))} ({fmt(min(values))}–{fmt(max(values))})"
 
 
-def write_section(text):
-    old = open(RESULTS).read() if os.path.exists(RESULTS) else ""
-    block = f"{BEGIN}\n{text}\n{END}"
-    if BEGIN in old and END in old:
-        new = old[:old.index(BEGIN)] + block + old[old.index(END) + len(END):]
-    else:
-        new = old.rstrip() + "\n\n" + block + "\n"
-    with open(RESULTS, "w") as f:
-        f.write(new)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run")
@@ -537,7 +527,7 @@ def main():
     if args.no_write:
         print(text)
     else:
-        write_section(text)
+        write_section(RESULTS, "replication", text)
         log(f"wrote {RESULTS} ({elapsed / 60:.1f} min)")
 
 

@@ -178,22 +178,11 @@ impl PeerConn {
     }
 
     fn deliver(&self, key: WaitKey, message: Message) {
-        if matches!(message, Message::Ack { status, .. } if status != 0) {
-            // The peer failed to apply a write. Under protocol A or B nobody may be waiting
-            // for this answer, so the connection ends here; the write stays in flight, and
-            // the peer-lost path marks it (with the hot extents) out of sync.
-            let waiter = self
-                .waiters
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&key);
-            if let Some(waiter) = waiter {
-                let _ = waiter.send(message);
-            }
-            self.close();
-            return;
-        }
-        if let WaitKey::Seq(seq) = key {
+        // The peer failed to apply a write. Under protocol A or B nobody may be waiting for
+        // this answer, so the connection ends here; the write stays in flight, and the
+        // peer-lost path marks it (with the hot extents) out of sync.
+        let failed_write = matches!(message, Message::Ack { status, .. } if status != 0);
+        if let (WaitKey::Seq(seq), false) = (key, failed_write) {
             let acked = self
                 .in_flight
                 .lock()
@@ -210,6 +199,9 @@ impl PeerConn {
             .remove(&key);
         if let Some(waiter) = waiter {
             let _ = waiter.send(message);
+        }
+        if failed_write {
+            self.close();
         }
     }
 }

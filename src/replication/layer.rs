@@ -377,6 +377,30 @@ impl Shared {
         self.al_released.notify_waiters();
     }
 
+    /// A replicated TRIM or WRITE_ZEROES of any size: [`Shared::replicate`] per extent-
+    /// aligned piece (see [`MAX_PIECE`]), in order, stopping at the first error.
+    async fn replicate_in_pieces<'a>(
+        &'a self,
+        op: &'static str,
+        offset: u64,
+        length: u64,
+        local: impl Fn(u64, u64) -> BackendFuture<'a, ()>,
+        message: impl Fn(u64, u64, u64) -> Message,
+    ) -> Result<(), BackendError> {
+        for (offset, length) in pieces(offset, length) {
+            let local = &local;
+            self.replicate(
+                op,
+                offset,
+                length,
+                move || local(offset, length),
+                |seq| message(seq, offset, length),
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
     /// Runs one replicated write-like operation: `local` on this node and `message` (with
     /// the sequence number filled in) on every replicating peer, replying per protocol.
     async fn replicate<'a>(
@@ -817,54 +841,45 @@ impl Backend for ReplicatedBackend {
     }
 
     fn trim(&self, offset: u64, length: u64, fua: bool) -> BackendFuture<'_, ()> {
-        Box::pin(async move {
-            let flags = if fua { write_flags::FUA } else { 0 };
-            for (offset, length) in pieces(offset, length) {
-                let local = move || self.shared.local.trim(offset, length, fua);
-                self.shared
-                    .replicate("trim", offset, length, local, |seq| Message::Trim {
-                        seq,
-                        offset,
-                        length,
-                        flags,
-                    })
-                    .await?;
-            }
-            Ok(())
-        })
+        let flags = if fua { write_flags::FUA } else { 0 };
+        Box::pin(self.shared.replicate_in_pieces(
+            "trim",
+            offset,
+            length,
+            move |offset, length| self.shared.local.trim(offset, length, fua),
+            move |seq, offset, length| Message::Trim {
+                seq,
+                offset,
+                length,
+                flags,
+            },
+        ))
     }
 
     fn write_zeroes(&self, offset: u64, length: u64, zero: ZeroFlags) -> BackendFuture<'_, ()> {
-        Box::pin(async move {
-            let mut flags = 0;
-            if zero.fua {
-                flags |= write_flags::FUA;
-            }
-            if zero.may_trim {
-                flags |= write_flags::MAY_TRIM;
-            }
-            for (offset, length) in pieces(offset, length) {
-                let local = move || {
-                    self.shared.local.write_zeroes(
-                        offset,
-                        length,
-                        ZeroFlags {
-                            fast: false,
-                            ..zero
-                        },
-                    )
-                };
-                self.shared
-                    .replicate("write_zeroes", offset, length, local, |seq| Message::Zero {
-                        seq,
-                        offset,
-                        length,
-                        flags,
-                    })
-                    .await?;
-            }
-            Ok(())
-        })
+        let mut flags = 0;
+        if zero.fua {
+            flags |= write_flags::FUA;
+        }
+        if zero.may_trim {
+            flags |= write_flags::MAY_TRIM;
+        }
+        let local_flags = ZeroFlags {
+            fast: false,
+            ..zero
+        };
+        Box::pin(self.shared.replicate_in_pieces(
+            "write_zeroes",
+            offset,
+            length,
+            move |offset, length| self.shared.local.write_zeroes(offset, length, local_flags),
+            move |seq, offset, length| Message::Zero {
+                seq,
+                offset,
+                length,
+                flags,
+            },
+        ))
     }
 
     fn cache(&self, offset: u64, length: u64) -> BackendFuture<'_, ()> {

@@ -45,6 +45,7 @@ pub mod generation;
 pub mod layer;
 pub mod meta;
 pub mod node;
+pub mod outbox;
 pub mod peer;
 pub mod wire;
 

@@ -1,6 +1,7 @@
-//! Peer connections: dialling and accepting, the hello exchange and its checks, one
-//! writer task per connection that batches frames into one send, and the reader that
-//! delivers acks to waiting writes or, on a secondary, applies what the primary sends.
+//! Peer connections: dialling and accepting, the hello exchange and its checks, sending
+//! through an [`Outbox`] (a sender writes its frame itself when the socket is idle; a
+//! writer task sends the rest, batched), and the reader that delivers acks to waiting
+//! writes or, on a secondary, applies what the primary sends.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -13,12 +14,13 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{oneshot, watch};
 use tracing::{debug, info, warn};
 
 use super::config::Protocol;
 use super::generation::{Generations, SyncDecision};
 use super::layer::Shared;
+use super::outbox::Outbox;
 use super::wire::{write_flags, DiskState, Hello, Message, ResyncStatus, Role, PROTOCOL_VERSION};
 use crate::backend::{BackendFuture, ZeroFlags};
 
@@ -56,7 +58,7 @@ pub struct PeerConn {
     pub replicating: AtomicBool,
     /// The peer finished its resync from this node and has every write since.
     pub synced: AtomicBool,
-    outgoing: mpsc::UnboundedSender<Message>,
+    outbox: Outbox,
     waiters: Mutex<HashMap<WaitKey, oneshot::Sender<Message>>>,
     /// Writes sent and not yet acknowledged: sequence number → (offset, length, payload
     /// bytes).
@@ -69,14 +71,14 @@ pub struct PeerConn {
 }
 
 impl PeerConn {
-    fn new(hello: &Hello, plan: Plan, outgoing: mpsc::UnboundedSender<Message>) -> Arc<PeerConn> {
+    fn new(hello: &Hello, plan: Plan) -> Arc<PeerConn> {
         Arc::new(PeerConn {
             peer: hello.node.clone(),
             plan,
             peer_generations: Mutex::new(hello.generations),
             replicating: AtomicBool::new(false),
             synced: AtomicBool::new(false),
-            outgoing,
+            outbox: Outbox::default(),
             waiters: Mutex::new(HashMap::new()),
             in_flight: Mutex::new(HashMap::new()),
             unacked_bytes: AtomicU64::new(0),
@@ -109,9 +111,13 @@ impl PeerConn {
         }
     }
 
-    /// Queues a message (dropped if the connection is gone).
+    /// Sends a message, or queues it behind others being sent (dropped if the
+    /// connection is gone; a socket error closes the connection).
     pub fn send(&self, message: Message) {
-        let _ = self.outgoing.send(message);
+        if let Err(e) = self.outbox.send(&message) {
+            debug!(peer = %self.peer, "send failed: {e}");
+            self.close();
+        }
     }
 
     /// Queues a message and returns where its reply arrives. If the connection closes
@@ -167,6 +173,7 @@ impl PeerConn {
     /// Ends the connection: every waiter gets an error.
     pub fn close(&self) {
         self.closed.send_replace(true);
+        self.outbox.close();
         self.waiters
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -437,12 +444,11 @@ async fn run_connection(
         }
     };
     let checked = check_hello(&shared, &hello, expected).and_then(|(index, plan, decision)| {
-        let (tx, rx) = mpsc::unbounded_channel();
-        let conn = PeerConn::new(&hello, plan, tx);
+        let conn = PeerConn::new(&hello, plan);
         shared.install(&shared.peers[index], Arc::clone(&conn), plan)?;
-        Ok((index, conn, rx, decision))
+        Ok((index, conn, decision))
     });
-    let (index, conn, outgoing, decision) = match checked {
+    let (index, conn, decision) = match checked {
         Ok(ok) => ok,
         Err(reason) => {
             warn!("refusing peer {:?} at {addr}: {reason}", hello.node);
@@ -454,7 +460,8 @@ async fn run_connection(
     };
     let slot = &shared.peers[index];
     info!(peer = %hello.node, %addr, plan = ?conn.plan, "peer connected");
-    let writer_task = tokio::spawn(write_frames(writer, outgoing, Arc::clone(&conn)));
+    conn.outbox.attach(writer);
+    let writer_task = tokio::spawn(write_frames(Arc::clone(&conn)));
     let pinger = tokio::spawn(ping(Arc::clone(&conn), timeout / 3));
     let resync = match conn.plan {
         Plan::Source { .. } => {
@@ -492,35 +499,18 @@ async fn run_connection(
     let _ = writer_task.await;
 }
 
-/// Sends queued messages, as many per `write` as are waiting.
-async fn write_frames(
-    mut writer: tokio::net::tcp::OwnedWriteHalf,
-    mut outgoing: mpsc::UnboundedReceiver<Message>,
-    conn: Arc<PeerConn>,
-) {
+/// Sends what the outbox's senders could not write at once, until the connection closes.
+async fn write_frames(conn: Arc<PeerConn>) {
     let mut closed = conn.closed.subscribe();
-    let mut out = BytesMut::with_capacity(256 * 1024);
-    loop {
-        let message = tokio::select! {
-            _ = closed.wait_for(|c| *c) => break,
-            message = outgoing.recv() => message,
-        };
-        let Some(message) = message else { break };
-        message.encode(&mut out);
-        while out.len() < 4 << 20 {
-            match outgoing.try_recv() {
-                Ok(message) => message.encode(&mut out),
-                Err(_) => break,
+    tokio::select! {
+        _ = closed.wait_for(|c| *c) => {}
+        result = conn.outbox.run_writer() => {
+            if let Err(e) = result {
+                debug!(peer = %conn.peer, "send failed: {e}");
             }
-        }
-        if let Err(e) = writer.write_all(&out).await {
-            debug!(peer = %conn.peer, "send failed: {e}");
             conn.close();
-            break;
         }
-        out.clear();
     }
-    let _ = writer.shutdown().await;
 }
 
 async fn ping(conn: Arc<PeerConn>, every: Duration) {
@@ -867,12 +857,11 @@ mod tests {
     use super::*;
     use crate::replication::wire::example_messages;
 
-    fn conn() -> (Arc<PeerConn>, mpsc::UnboundedReceiver<Message>) {
+    fn conn() -> Arc<PeerConn> {
         let Some(Message::Hello(hello)) = example_messages().into_iter().next() else {
             panic!("the first example is a hello");
         };
-        let (tx, rx) = mpsc::unbounded_channel();
-        (PeerConn::new(&hello, Plan::Source { full: false }, tx), rx)
+        PeerConn::new(&hello, Plan::Source { full: false })
     }
 
     fn write(seq: u64, len: usize) -> Message {
@@ -886,7 +875,7 @@ mod tests {
 
     #[test]
     fn unacknowledged_writes_are_counted_and_returned_on_loss() {
-        let (conn, mut sent) = conn();
+        let conn = conn();
         let mut waits = Vec::new();
         for seq in 1..=3 {
             waits.push(conn.send_write(
@@ -898,7 +887,12 @@ mod tests {
             ));
         }
         assert_eq!(conn.unacked_bytes(), 3 << 20);
-        assert!(matches!(sent.try_recv(), Ok(Message::Write { seq: 1, .. })));
+        // No socket is attached: the frames wait in the outbox, in order.
+        let mut sent = conn.outbox.take_queued();
+        assert!(matches!(
+            Message::decode(&mut sent),
+            Ok(Some(Message::Write { seq: 1, .. }))
+        ));
         conn.deliver(WaitKey::Seq(2), Message::Ack { seq: 2, status: 0 });
         assert_eq!(conn.unacked_bytes(), 2 << 20);
         assert!(matches!(

@@ -322,6 +322,8 @@ fn a_secondary_killed_during_fio_write_and_verify_is_resynced_to_identical() {
             "--verify=crc32c",
             "--verify_fatal=1",
             "--do_verify=1",
+            // No verify state file in the working directory (the checkout).
+            "--verify_state_save=0",
             "--randrepeat=0",
             "--lat_percentiles=1",
             "--output-format=json",
@@ -917,6 +919,7 @@ fn replication_across_two_network_namespaces() {
             "--rate_iops=1000",
             "--verify=crc32c",
             "--verify_fatal=1",
+            "--verify_state_save=0",
             "--randrepeat=0",
             "--output-format=json",
         ])

@@ -7,10 +7,11 @@
 //! replicated write, then its ack), and on this VM a wake-up of an idle vCPU costs tens of
 //! microseconds, more than the rest of the protocol's work for a 4 KiB write.
 
-use std::io;
+use std::collections::VecDeque;
+use std::io::{self, IoSlice};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use bytes::{Buf, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::sync::Notify;
 
@@ -27,8 +28,8 @@ struct OutboxState {
     /// The socket; `None` before it is attached (unit tests) and after [`Outbox::close`].
     socket: Option<Arc<OwnedWriteHalf>>,
     closed: bool,
-    /// Encoded frames not yet handed to the socket, in order.
-    queued: BytesMut,
+    /// Encoded frames not yet handed to the socket, in order: `chunks`, then `tail`.
+    queued: Frames,
     /// Who is writing to the socket now; everybody else only queues.
     turn: Turn,
 }
@@ -49,7 +50,7 @@ impl Default for Outbox {
             state: Mutex::new(OutboxState {
                 socket: None,
                 closed: false,
-                queued: BytesMut::new(),
+                queued: Frames::default(),
                 turn: Turn::Nobody,
             }),
             writer_wanted: Notify::new(),
@@ -84,12 +85,12 @@ impl Outbox {
             if state.closed {
                 return Ok(());
             }
-            message.encode(&mut state.queued);
+            state.queued.push(message);
             match &state.socket {
                 Some(socket) if state.turn == Turn::Nobody => {
                     let socket = Arc::clone(socket);
                     state.turn = Turn::Sender;
-                    (socket, state.queued.split())
+                    (socket, std::mem::take(&mut state.queued))
                 }
                 // Queued behind whoever is writing (or until the socket is attached).
                 _ => return Ok(()),
@@ -102,7 +103,8 @@ impl Outbox {
         } else {
             // The rest goes first, then what others queued meanwhile; the writer task
             // now has the turn.
-            frames.unsplit(state.queued.split());
+            let later = std::mem::take(&mut state.queued);
+            frames.append(later);
             state.queued = frames;
             state.turn = Turn::WriterTask;
             drop(state);
@@ -130,7 +132,7 @@ impl Outbox {
                         state.turn = Turn::Nobody;
                         break;
                     }
-                    (socket, state.queued.split())
+                    (socket, std::mem::take(&mut state.queued))
                 };
                 while !frames.is_empty() {
                     socket.writable().await?;
@@ -146,7 +148,7 @@ impl Outbox {
         let mut state = self.state();
         state.closed = true;
         state.socket = None;
-        state.queued = BytesMut::new();
+        state.queued = Frames::default();
         drop(state);
         // Lets a writer task waiting for work see the close.
         self.writer_wanted.notify_one();
@@ -155,15 +157,81 @@ impl Outbox {
     /// The frames queued and not yet written (for tests without a socket).
     #[cfg(test)]
     pub fn take_queued(&self) -> BytesMut {
-        self.state().queued.split()
+        let mut frames = std::mem::take(&mut self.state().queued);
+        let mut all = BytesMut::new();
+        frames.seal();
+        for chunk in frames.chunks {
+            all.extend_from_slice(&chunk);
+        }
+        all
+    }
+}
+
+/// Encoded frames in order: small frames are copied together into `tail`; a large payload
+/// stays in its own buffer as a chunk of its own, so it goes to the socket without a copy.
+#[derive(Default)]
+struct Frames {
+    chunks: VecDeque<Bytes>,
+    tail: BytesMut,
+}
+
+/// The most buffers handed to one vectored write.
+const MAX_IOVECS: usize = 64;
+
+impl Frames {
+    fn push(&mut self, message: &super::wire::Message) {
+        if let Some(payload) = message.encode_head(&mut self.tail) {
+            self.seal();
+            self.chunks.push_back(payload);
+        }
+    }
+
+    /// Moves the bytes gathered in `tail` to the end of `chunks`.
+    fn seal(&mut self) {
+        if !self.tail.is_empty() {
+            self.chunks.push_back(self.tail.split().freeze());
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.chunks.is_empty() && self.tail.is_empty()
+    }
+
+    /// Appends `later` after these frames.
+    fn append(&mut self, mut later: Frames) {
+        self.seal();
+        later.seal();
+        self.chunks.extend(later.chunks);
+    }
+
+    /// Drops the first `n` bytes.
+    fn advance(&mut self, mut n: usize) {
+        while n > 0 {
+            let Some(front) = self.chunks.front_mut() else {
+                break;
+            };
+            if n < front.len() {
+                front.advance(n);
+                return;
+            }
+            n -= front.len();
+            self.chunks.pop_front();
+        }
     }
 }
 
 /// Writes as much of `frames` as the socket takes without blocking, and drops it from
 /// `frames`. `WouldBlock` is not an error: the rest stays in `frames`.
-fn write_without_blocking(socket: &OwnedWriteHalf, frames: &mut BytesMut) -> io::Result<()> {
-    while !frames.is_empty() {
-        match socket.try_write(frames) {
+fn write_without_blocking(socket: &OwnedWriteHalf, frames: &mut Frames) -> io::Result<()> {
+    frames.seal();
+    while !frames.chunks.is_empty() {
+        let mut slices = [IoSlice::new(&[]); MAX_IOVECS];
+        let mut count = 0;
+        for (slice, chunk) in slices.iter_mut().zip(&frames.chunks) {
+            *slice = IoSlice::new(chunk);
+            count += 1;
+        }
+        match socket.try_write_vectored(&slices[..count]) {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
             Ok(n) => frames.advance(n),
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),

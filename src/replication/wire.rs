@@ -22,6 +22,9 @@ pub const MAX_FRAME_BODY: usize = MAX_DATA + 64;
 pub const MAX_TEXT: usize = 1024;
 /// Bytes of the length prefix.
 pub const LENGTH_PREFIX: usize = 4;
+/// Payloads from this size on are sent from their own buffer ([`Message::encode_head`])
+/// instead of being copied into the frame.
+pub const SEPARATE_PAYLOAD_MIN: usize = 16 << 10;
 
 /// Flags on replicated writes.
 pub mod write_flags {
@@ -294,6 +297,25 @@ impl Message {
 
     /// Appends the framed message to `out`.
     pub fn encode(&self, out: &mut BytesMut) {
+        if let Some(payload) = self.encode_head(out) {
+            out.extend_from_slice(&payload);
+        }
+    }
+
+    /// Appends the framed message to `out`, except for a large payload (a write's or a
+    /// read's data), which it returns to be sent after what it appended, as is: the frame
+    /// is then `out`'s new bytes followed by the payload, with no copy of the payload.
+    pub fn encode_head(&self, out: &mut BytesMut) -> Option<Bytes> {
+        let payload = match self {
+            Message::Write { data, .. }
+            | Message::ReadReply { data, .. }
+            | Message::ResyncData { data, .. }
+                if data.len() >= SEPARATE_PAYLOAD_MIN =>
+            {
+                Some(data.clone())
+            }
+            _ => None,
+        };
         let start = out.len();
         out.put_u32(0);
         match self {
@@ -322,7 +344,9 @@ impl Message {
                 out.put_u64(*seq);
                 out.put_u64(*offset);
                 out.put_u32(*flags);
-                out.put_slice(data);
+                if payload.is_none() {
+                    out.put_slice(data);
+                }
             }
             Message::Trim {
                 seq,
@@ -384,7 +408,9 @@ impl Message {
                 out.put_u8(kind::READ_REPLY);
                 out.put_u64(*id);
                 out.put_u32(*status);
-                out.put_slice(data);
+                if payload.is_none() {
+                    out.put_slice(data);
+                }
             }
             Message::ResyncChecksum {
                 id,
@@ -402,7 +428,9 @@ impl Message {
                 out.put_u8(kind::RESYNC_DATA);
                 out.put_u64(*id);
                 out.put_u64(*offset);
-                out.put_slice(data);
+                if payload.is_none() {
+                    out.put_slice(data);
+                }
             }
             Message::ResyncReply { id, status } => {
                 out.put_u8(kind::RESYNC_REPLY);
@@ -442,9 +470,10 @@ impl Message {
                 put_generations(out, generations);
             }
         }
-        let body = out.len() - start - LENGTH_PREFIX;
+        let body = out.len() - start - LENGTH_PREFIX + payload.as_ref().map_or(0, Bytes::len);
         let prefix = u32::try_from(body).expect("encoders are called with bounded payloads");
         out[start..start + LENGTH_PREFIX].copy_from_slice(&prefix.to_be_bytes());
+        payload
     }
 
     /// Takes one complete frame off the front of `buf`: `Ok(None)` while more bytes are
@@ -1119,6 +1148,26 @@ mod tests {
                 prop_assert_eq!(Message::decode(&mut buf).unwrap(), Some(message.clone()));
             }
             prop_assert!(buf.is_empty());
+        }
+
+        #[test]
+        fn a_head_and_its_separate_payload_are_the_whole_frame(
+            len in 0usize..40_000, kind in 0u8..3, seq in any::<u64>()
+        ) {
+            let data = Bytes::from((0..len).map(|i| i as u8).collect::<Vec<_>>());
+            let message = match kind {
+                0 => Message::Write { seq, offset: seq / 2, flags: 1, data },
+                1 => Message::ReadReply { id: seq, status: 0, data },
+                _ => Message::ResyncData { id: seq, offset: seq / 3, data },
+            };
+            let mut head = BytesMut::new();
+            let payload = message.encode_head(&mut head);
+            prop_assert_eq!(payload.is_some(), len >= SEPARATE_PAYLOAD_MIN);
+            if let Some(payload) = payload {
+                head.extend_from_slice(&payload);
+            }
+            prop_assert_eq!(&head, &encoded(&message));
+            prop_assert_eq!(Message::decode(&mut head).unwrap(), Some(message));
         }
 
         #[test]

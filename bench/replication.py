@@ -48,6 +48,7 @@ VETH = ("nbrbva", "nbrbvb")
 ADDR = ("10.233.0.1", "10.233.0.2")
 PG_BIN = "/usr/lib/postgresql/15/bin"
 PROTOCOL = ["C"]  # set from --protocol
+EXTRA_SERVE_ARGS = []  # from --threads
 
 
 def log(message):
@@ -218,10 +219,20 @@ def wait_socket(path, timeout=30):
     raise RuntimeError(f"nothing listens on {path}")
 
 
+def allocate(path, size):
+    """Writes zeroes over the whole file and makes them durable."""
+    count = int(size.rstrip("G")) * 1024
+    sh(["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={count}", "conv=fsync", "status=none"])
+
+
 class Setup:
     """One export in the primary's namespace, with or without a replica."""
 
-    def __init__(self, replicated, work, size, resync_rate="100G", secondary_dir=None, memory=False):
+    def __init__(self, replicated, work, size, resync_rate="100G", secondary_dir=None, memory=False,
+                 allocated=False):
+        """`allocated`: write every block of the backing files first, as a disk or a laid-out
+        image is; a sparse file's first write to a hole allocates blocks, and the FUA write's
+        fdatasync then commits the ext4 journal, which both nodes share on this VM."""
         self.replicated = replicated
         self.dir = tempfile.mkdtemp(prefix="repl-" if replicated else "plain-", dir=work)
         os.chmod(self.dir, 0o755)  # PostgreSQL runs as its own user below this
@@ -241,6 +252,8 @@ class Setup:
                 for name, addr in (("alpha", ADDR[0]), ("beta", ADDR[1])):
                     data = secondary_dir if (name == "beta" and secondary_dir) else self.dir
                     backing = f"memory:{size}" if memory else f"{data}/{name}.img"
+                    if allocated and not memory:
+                        allocate(backing, size)
                     f.write(f'\n[[node]]\nname = "{name}"\nreplication = "{addr}:7788"\n'
                             f'listen = "unix:{self.dir}/{name}.sock"\n'
                             f'backing = "{backing}"\nmetadata = "{data}/{name}.meta"\n')
@@ -249,7 +262,9 @@ class Setup:
             self.secondary.wait_for("in sync with the primary")
         else:
             image = os.path.join(self.dir, "plain.img")
-            self.primary = self.proc(in_ns(NS[0], [NETBLK, "serve", "--size", size, "--listen",
+            if allocated and not memory:
+                allocate(image, size)
+            self.primary = self.proc(in_ns(NS[0], [NETBLK, "serve", *EXTRA_SERVE_ARGS, "--size", size, "--listen",
                                                    f"unix:{self.socket}",
                                                    f"memory:{size}" if memory else image]), "plain.log")
         wait_socket(self.socket)
@@ -260,7 +275,7 @@ class Setup:
         return p
 
     def node(self, name, primary):
-        argv = [NETBLK, "serve", "--config", self.config, "--node", name]
+        argv = [NETBLK, "serve", *EXTRA_SERVE_ARGS, "--config", self.config, "--node", name]
         if primary:
             argv.append("--primary")
         ns = NS[0] if name == "alpha" else NS[1]
@@ -458,9 +473,18 @@ def main():
                         help="replication protocol (the targets are for C)")
     parser.add_argument("--memory", action="store_true", help="memory backends on every node (a diagnostic: "
                         "the protocol's cost without any disk)")
+    parser.add_argument("--work-dir", default="/var/tmp", help="where the backings and metadata go "
+                        "(a diagnostic: /dev/shm takes the disk out)")
+    parser.add_argument("--sparse", action="store_true", help="leave the FUA and sequential runs' "
+                        "backing files sparse (a diagnostic: first writes to holes then commit the "
+                        "journal that both nodes share here)")
+    parser.add_argument("--threads", type=int, help="tokio worker threads per node (a diagnostic: "
+                        "the default is one per core)")
     parser.add_argument("--no-write", action="store_true", help="print, do not write RESULTS.md")
     args = parser.parse_args()
     PROTOCOL[0] = args.protocol
+    if args.threads:
+        EXTRA_SERVE_ARGS.extend(["--threads", str(args.threads)])
     if os.geteuid() != 0:
         sys.exit("needs root: network namespaces, loop devices and mounts")
     for tool in ("iperf3", "fio", "nbdfuse", "nstat", "pgbench", "losetup", "mkfs.ext4"):
@@ -475,7 +499,7 @@ def main():
     runtime = 3 if quick else 5
     pg = (5, 10) if quick else (10, 30)  # scale, seconds
     resync_size, step = ("1G", 10) if quick else ("4G", 10)
-    work = tempfile.mkdtemp(prefix="netblk-repl-bench-", dir="/var/tmp")
+    work = tempfile.mkdtemp(prefix="netblk-repl-bench-", dir=args.work_dir)
     os.chmod(work, 0o755)
     started = time.time()
     results = {"fua": {True: [], False: []}, "seq": {True: [], False: []},
@@ -493,7 +517,7 @@ def main():
                 name = "replicated" if replicated else "unreplicated"
                 if "fua" not in args.skip or "seq" not in args.skip:
                     setup = Setup(replicated, work, "1G", secondary_dir=args.secondary_dir,
-                                  memory=args.memory)
+                                  memory=args.memory, allocated=not args.sparse)
                     try:
                         if "fua" not in args.skip:
                             fua = fua_latency(setup, fua_count)

@@ -300,6 +300,14 @@ impl Shared {
             if let Err(e) = self.start_generation_if_needed(&mut meta, &others) {
                 warn!("metadata: {e}");
             }
+        } else if conn.plan == Plan::Target && !self.stopping.load(Ordering::Acquire) {
+            // The primary is gone, maybe with writes in flight that reached this node and
+            // not another (or the other way round): whichever node is promoted next must
+            // resync the extents those writes may touch with every other node.
+            for extent in meta.logged_extents().to_vec() {
+                meta.mark_out_of_sync_for_all(extent * EXTENT_SIZE, EXTENT_SIZE);
+            }
+            warn!(peer = %slot.config.name, "primary lost ({why}): {} bytes of its recent writes marked for resync with every node", meta.out_of_sync_bytes_for_any());
         } else {
             info!(peer = %slot.config.name, "peer disconnected ({why})");
         }
@@ -332,6 +340,31 @@ impl Shared {
     }
 
     async fn activate(&self, offset: u64, length: u64) -> Result<(), BackendError> {
+        self.activate_extents(offset, length, Role::Primary).await
+    }
+
+    /// On a secondary, before it applies a write, trim or zero from the primary: the
+    /// extents enter this node's activity log too. If the primary fails with writes in
+    /// flight, a write may have reached this node and not another; the extents in the
+    /// log are then resynced between the nodes that remain (see [`Shared::peer_lost`]).
+    pub async fn activate_as_secondary(
+        &self,
+        offset: u64,
+        length: u64,
+    ) -> Result<(), BackendError> {
+        self.activate_extents(offset, length, Role::Secondary).await
+    }
+
+    /// Enters the extents of `offset..offset+length` in the activity log, waiting while
+    /// every slot is busy. A full log of idle extents is made room in by a replicated
+    /// flush on a primary; a secondary cannot start one, so it marks the extents it
+    /// evicts out of sync for every peer instead (always safe, costs a resync check).
+    async fn activate_extents(
+        &self,
+        offset: u64,
+        length: u64,
+        role: Role,
+    ) -> Result<(), BackendError> {
         let extents = Metadata::extents_of(offset, length);
         loop {
             let released = self.al_released.notified();
@@ -347,6 +380,18 @@ impl Shared {
             match result {
                 Ok(()) => return Ok(()),
                 Err(MetaError::ActivityLogBusy) => released.await,
+                Err(MetaError::ActivityLogNeedsFlush) if role == Role::Secondary => {
+                    let mut meta = self.meta();
+                    if let Err(e) = blocking(|| meta.make_room_marking_out_of_sync(&extents)) {
+                        warn!("activity log: {e}");
+                        return Err(BackendError::plain(
+                            "activity log",
+                            offset,
+                            length,
+                            NbdError::Io,
+                        ));
+                    }
+                }
                 Err(MetaError::ActivityLogNeedsFlush) => {
                     // Make the idle extents' writes durable everywhere so one can leave.
                     if let Err(e) = self.flush_all().await {
@@ -372,7 +417,16 @@ impl Shared {
         }
     }
 
-    fn release(&self, offset: u64, length: u64) {
+    /// On a secondary: the primary reports every replica finished the barrier whose
+    /// arrival here began flush `generation`, so extents written before it may leave
+    /// the activity log.
+    pub fn flushed_everywhere(&self, generation: u64) {
+        self.meta().flush_done(generation);
+        self.al_released.notify_waiters();
+    }
+
+    /// Takes the extents of a finished write out of use (they stay in the log).
+    pub fn release(&self, offset: u64, length: u64) {
         self.meta().release(Metadata::extents_of(offset, length));
         self.al_released.notify_waiters();
     }
@@ -463,19 +517,20 @@ impl Shared {
     }
 
     /// Waits for a peer's answer; a peer that fails, closes or stays silent past the
-    /// timeout is dropped (and what it misses goes into the bitmap).
+    /// timeout is dropped (and what it misses goes into the bitmap). True when it
+    /// answered with success.
     async fn await_peer(
         &self,
         conn: &Arc<PeerConn>,
         wait: oneshot::Receiver<Message>,
         op: &str,
         deadline: tokio::time::Instant,
-    ) {
+    ) -> bool {
         let outcome = tokio::time::timeout_at(deadline, wait).await;
         let why = match outcome {
             Ok(Ok(Message::Ack { status: 0, .. }))
             | Ok(Ok(Message::Received { .. }))
-            | Ok(Ok(Message::BarrierAck { status: 0, .. })) => return,
+            | Ok(Ok(Message::BarrierAck { status: 0, .. })) => return true,
             Ok(Ok(other)) => format!("{op} failed on the peer: {other:?}"),
             Ok(Err(_)) => format!("connection closed during {op}"),
             Err(_) => format!("no answer to {op} within {:?}", self.resource.peer_timeout),
@@ -483,6 +538,7 @@ impl Shared {
         if let Some(slot) = self.peers.iter().find(|s| s.config.name == conn.peer) {
             self.peer_lost(slot, conn, &why);
         }
+        false
     }
 
     /// A replicated flush: a barrier on every replicating peer and a local flush.
@@ -500,13 +556,20 @@ impl Shared {
             .collect();
         let local = self.local.flush().await;
         let deadline = tokio::time::Instant::now() + self.resource.peer_timeout;
+        let mut flushed = Vec::new();
         for (conn, wait) in waits {
-            self.await_peer(&conn, wait, "flush", deadline).await;
+            if self.await_peer(&conn, wait, "flush", deadline).await {
+                flushed.push(conn);
+            }
         }
         // A peer that failed the barrier was dropped, and what it misses is in the bitmap.
         if local.is_ok() {
             self.meta().flush_done(generation);
             self.al_released.notify_waiters();
+            // The secondaries' activity logs may let these writes' extents go too.
+            for conn in flushed {
+                conn.send(Message::BarrierDone { epoch });
+            }
         }
         local
     }
@@ -781,6 +844,21 @@ impl Shared {
         match result {
             Ok(()) => info!("in sync with the primary: up to date"),
             Err(e) => warn!("metadata: {e}"),
+        }
+        // The other secondaries judge a promotion by what they last heard from this
+        // node: tell them, or after a failover one of them could take over with data
+        // older than this node's without being refused.
+        let generations = meta.superblock().generations;
+        drop(meta);
+        for slot in &self.peers {
+            let conn = slot.conn.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            if let Some(conn) = conn {
+                conn.send(Message::State {
+                    role: Role::Secondary,
+                    disk: DiskState::UpToDate,
+                    generations,
+                });
+            }
         }
     }
 

@@ -434,6 +434,41 @@ impl Metadata {
 
     /// Drops the references [`Metadata::activate`] took, once the write finished (here and
     /// on the peers it waits for).
+    /// Makes room in a full log for `extents` without a flush (a secondary cannot start
+    /// one): the least recently used idle extents leave the log, each first marked out
+    /// of sync for every peer, with the bits on disk before the log record that drops
+    /// them. Nothing they may differ in is forgotten; it costs a resync check later.
+    pub fn make_room_marking_out_of_sync(
+        &mut self,
+        extents: &std::ops::RangeInclusive<u64>,
+    ) -> Result<(), MetaError> {
+        let missing = extents
+            .clone()
+            .filter(|e| !self.al_extents.contains(e))
+            .count();
+        let free = AL_SLOTS - self.al_extents.len();
+        let needed = missing.saturating_sub(free);
+        let victims: Vec<usize> = (0..self.al_extents.len())
+            .filter(|&i| self.al_refs[i] == 0 && !extents.contains(&self.al_extents[i]))
+            .take(needed)
+            .collect();
+        if victims.is_empty() {
+            return Ok(());
+        }
+        for &i in &victims {
+            let extent = self.al_extents[i];
+            self.mark_out_of_sync_for_all(extent * EXTENT_SIZE, EXTENT_SIZE);
+            self.flush_bitmap_extent(extent)?;
+        }
+        self.sync()?;
+        for &i in victims.iter().rev() {
+            self.al_extents.remove(i);
+            self.al_refs.remove(i);
+            self.al_released.remove(i);
+        }
+        self.write_activity_log()
+    }
+
     pub fn release(&mut self, extents: std::ops::RangeInclusive<u64>) {
         for extent in extents {
             if let Some(i) = self.al_extents.iter().position(|&e| e == extent) {
@@ -972,6 +1007,48 @@ mod tests {
             "the evicted extent's bit was made durable"
         );
         assert_eq!(metadata.recovered_extents(), AL_SLOTS);
+    }
+
+    #[test]
+    fn a_secondary_makes_room_by_marking_evicted_extents_out_of_sync_durably() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, mut metadata) = fresh(&dir);
+        // Every other extent, so that evicted ones are told apart from logged ones.
+        for i in 0..AL_SLOTS as u64 {
+            let extents = Metadata::extents_of(2 * i * EXTENT_SIZE, 1);
+            metadata.activate(extents.clone()).unwrap();
+            metadata.release(extents);
+        }
+        // Extent 10 is still being written: it must stay.
+        metadata
+            .activate(Metadata::extents_of(10 * EXTENT_SIZE, 1))
+            .unwrap();
+        let next = Metadata::extents_of(2 * AL_SLOTS as u64 * EXTENT_SIZE, 2 * EXTENT_SIZE);
+        assert!(matches!(
+            metadata.activate(next.clone()),
+            Err(MetaError::ActivityLogNeedsFlush)
+        ));
+        metadata.make_room_marking_out_of_sync(&next).unwrap();
+        metadata.activate(next).unwrap();
+        // The two least recently used idle extents (0 and 2) left, marked for every peer.
+        assert!(!metadata.logged_extents().contains(&0));
+        assert!(!metadata.logged_extents().contains(&2));
+        assert!(metadata.logged_extents().contains(&10));
+        for peer in 0..metadata.peer_count() {
+            assert_eq!(metadata.out_of_sync_bytes(peer), 2 * EXTENT_SIZE);
+        }
+        // A crash now: the evicted extents' bits were on disk before they left the log.
+        drop(metadata);
+        let reopened = Metadata::open(&path).unwrap();
+        let region_of = |extent: u64| extent * EXTENT_SIZE / REGION_SIZE;
+        for peer in 0..reopened.peer_count() {
+            assert!(reopened.is_out_of_sync(peer, region_of(0)));
+            assert!(reopened.is_out_of_sync(peer, region_of(2)));
+            assert!(
+                !reopened.is_out_of_sync(peer, region_of(1)),
+                "never written"
+            );
+        }
     }
 
     #[test]

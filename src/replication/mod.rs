@@ -29,7 +29,10 @@
 //!   extents of 4 MiB, fdatasynced before a write to a new extent is submitted (an extent
 //!   leaves it only after a flush everywhere covered its writes), so after a crash at
 //!   most 1 GiB plus the bitmap needs resync, never the whole device and
-//!   never less than what may differ.
+//!   never less than what may differ. Secondaries log the extents of what they apply
+//!   too, and mark them out of sync when their primary is lost, so that after a
+//!   failover the writes in flight at the primary's death are resynced between the
+//!   nodes that remain.
 //! - **Resync**: the source sends a CRC32C per out-of-sync region; the target answers
 //!   "in sync" or "need data", so equal regions cost a few dozen bytes, not 64 KiB.
 //! - **Roles** ([`control`]): every node starts as secondary; `--primary` or

@@ -3,7 +3,7 @@
 //! writer task sends the rest, batched), and the reader that delivers acks to waiting
 //! writes or, on a secondary, applies what the primary sends.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -68,6 +68,9 @@ pub struct PeerConn {
     closed: watch::Sender<bool>,
     /// The peer (a resync target) has sent its whole bitmap.
     peer_bitmap_done: watch::Sender<bool>,
+    /// On a secondary: barriers received from this primary, by epoch, with the flush
+    /// generation their arrival began (see [`Shared::flushed_everywhere`]).
+    barriers: Mutex<BTreeMap<u64, u64>>,
 }
 
 impl PeerConn {
@@ -84,6 +87,7 @@ impl PeerConn {
             unacked_bytes: AtomicU64::new(0),
             closed: watch::channel(false).0,
             peer_bitmap_done: watch::channel(false).0,
+            barriers: Mutex::new(BTreeMap::new()),
         })
     }
 
@@ -619,11 +623,14 @@ async fn handle<'a>(
                 conn.send(Message::Received { seq });
             }
             let fits = in_range(size, offset, data.len() as u64);
+            let length = data.len() as u64;
+            let shared = Arc::clone(shared);
             applying.push(Box::pin(async move {
                 let result = if fits {
-                    local
-                        .write(offset, data, flags & write_flags::FUA != 0)
-                        .await
+                    apply_logged(&shared, offset, length, || {
+                        local.write(offset, data, flags & write_flags::FUA != 0)
+                    })
+                    .await
                 } else {
                     Err(out_of_range("write", offset, 0))
                 };
@@ -644,11 +651,13 @@ async fn handle<'a>(
                 conn.send(Message::Received { seq });
             }
             let fits = in_range(size, offset, length);
+            let shared = Arc::clone(shared);
             applying.push(Box::pin(async move {
                 let result = if fits {
-                    local
-                        .trim(offset, length, flags & write_flags::FUA != 0)
-                        .await
+                    apply_logged(&shared, offset, length, || {
+                        local.trim(offset, length, flags & write_flags::FUA != 0)
+                    })
+                    .await
                 } else {
                     Err(out_of_range("trim", offset, length))
                 };
@@ -674,9 +683,13 @@ async fn handle<'a>(
                 fast: false,
                 fua: flags & write_flags::FUA != 0,
             };
+            let shared = Arc::clone(shared);
             applying.push(Box::pin(async move {
                 let result = if fits {
-                    local.write_zeroes(offset, length, zero).await
+                    apply_logged(&shared, offset, length, || {
+                        local.write_zeroes(offset, length, zero)
+                    })
+                    .await
                 } else {
                     Err(out_of_range("zero", offset, length))
                 };
@@ -688,6 +701,11 @@ async fn handle<'a>(
         }
         Message::Barrier { epoch } => {
             must_be_target("a barrier")?;
+            let generation = shared.meta().begin_flush();
+            conn.barriers
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(epoch, generation);
             // The barrier covers every write received before it: those finish, then one
             // flush makes them durable. It runs as one more future, so later writes,
             // pings and acks go on meanwhile (a slow flush does not look like a dead
@@ -827,6 +845,20 @@ async fn handle<'a>(
         Message::OutOfSyncDone => {
             conn.peer_bitmap_done.send_replace(true);
         }
+        Message::BarrierDone { epoch } => {
+            must_be_target("a barrier-done")?;
+            // Barriers finish in order on every replica: this one's being done
+            // everywhere covers every earlier one too.
+            let generation = {
+                let mut barriers = conn.barriers.lock().unwrap_or_else(|e| e.into_inner());
+                let later = barriers.split_off(&(epoch + 1));
+                let done = std::mem::replace(&mut *barriers, later);
+                done.get(&epoch).copied()
+            };
+            if let Some(generation) = generation {
+                shared.flushed_everywhere(generation);
+            }
+        }
         Message::Ping { token } => conn.send(Message::Pong { token }),
         Message::Pong { .. } => {}
         Message::Ack { seq, .. } => conn.deliver(WaitKey::Seq(seq), message),
@@ -846,6 +878,20 @@ async fn handle<'a>(
         }
     }
     Ok(())
+}
+
+/// Applies a write, trim or zero from the primary with its extents in this node's
+/// activity log (see [`Shared::activate_as_secondary`]).
+async fn apply_logged<'a>(
+    shared: &Shared,
+    offset: u64,
+    length: u64,
+    apply: impl FnOnce() -> BackendFuture<'a, ()>,
+) -> Result<(), crate::backend::BackendError> {
+    shared.activate_as_secondary(offset, length).await?;
+    let result = apply().await;
+    shared.release(offset, length);
+    result
 }
 
 fn out_of_range(op: &'static str, offset: u64, length: u64) -> crate::backend::BackendError {

@@ -76,8 +76,18 @@ struct Pair {
     secondary: Arc<Shared>,
     /// Every secondary (with three nodes, `secondary` is the first of them).
     secondaries: Vec<Arc<Shared>>,
-    stop: watch::Sender<bool>,
+    stop: Stops,
     _dir: tempfile::TempDir,
+}
+
+/// One stop switch per running node (the primary's first).
+struct Stops(Vec<watch::Sender<bool>>);
+
+impl Stops {
+    /// Stops every node.
+    fn send(&self, stop: bool) -> Result<(), watch::error::SendError<bool>> {
+        self.0.iter().try_for_each(|s| s.send(stop))
+    }
 }
 
 async fn pair(protocol: &str, primary_local: Arc<dyn Backend>) -> Pair {
@@ -129,14 +139,12 @@ async fn cluster(
         .map(|(name, local)| open(name, local))
         .collect();
     primary.promote(false).unwrap();
-    let (stop, stop_rx) = watch::channel(false);
+    let mut stops = Vec::new();
     let all = std::iter::once(&primary).chain(&secondaries);
     for (shared, listener) in all.zip(listeners) {
-        tokio::spawn(run_replication(
-            Arc::clone(shared),
-            listener,
-            stop_rx.clone(),
-        ));
+        let (stop, stop_rx) = watch::channel(false);
+        stops.push(stop);
+        tokio::spawn(run_replication(Arc::clone(shared), listener, stop_rx));
     }
     // Connected, and the first (full, checksum-only) resync done.
     tokio::time::timeout(Duration::from_secs(20), async {
@@ -150,7 +158,7 @@ async fn cluster(
         primary,
         secondary: Arc::clone(&secondaries[0]),
         secondaries,
-        stop,
+        stop: Stops(stops),
         _dir: dir,
     }
 }
@@ -492,4 +500,117 @@ async fn under_protocol_a_a_secondary_applies_writes_in_the_order_sent() {
     backend.flush().await.unwrap();
     assert_eq!(*recorder.completed.lock().unwrap(), [0, 1 << 20]);
     let _ = pair.stop.send(true);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_failover_a_write_only_one_secondary_got_is_resynced_to_the_other() {
+    // Three nodes. The primary dies with a write in flight that reached beta and not
+    // gamma (made here by writing to beta's disk behind the protocol's back). Beta is
+    // promoted; its activity log, marked when the primary was lost, must bring gamma to
+    // beta's data, or the two replicas would silently differ in that block.
+    let trio = cluster(
+        "C",
+        3,
+        Arc::new(MemoryBackend::new(SIZE, false)),
+        "1G",
+        3,
+        None,
+    )
+    .await;
+    let backend = ReplicatedBackend {
+        shared: Arc::clone(&trio.primary),
+    };
+    let offset = 3 << 20;
+    backend
+        .write(offset, pattern(1, 65536), false)
+        .await
+        .unwrap();
+    backend.flush().await.unwrap();
+    let (beta, gamma) = (&trio.secondaries[0], &trio.secondaries[1]);
+    beta.local
+        .write(offset + 4096, pattern(2, 4096), false)
+        .await
+        .unwrap();
+    // The primary dies: it changes nothing on the way down (as after SIGKILL), and both
+    // secondaries see it go.
+    trio.primary.stop();
+    let _ = trio.stop.0[0].send(true);
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while [beta, gamma].iter().any(|s| {
+            s.status()
+                .peers
+                .iter()
+                .any(|p| p.name == "alpha" && p.connected)
+        }) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the secondaries notice the primary is gone");
+    beta.promote(false).unwrap();
+    // As `netblk promote` does: the peers reconnect, and gamma finds beta primary.
+    beta.drop_connections();
+    tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            let status = beta.status();
+            let gamma_synced = status
+                .peers
+                .iter()
+                .any(|p| p.name == "gamma" && p.replicating && p.out_of_sync_bytes == 0);
+            if gamma_synced && gamma.status().disk == "UpToDate" {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| {
+        panic!(
+            "gamma is not resynced from beta: beta {:?}, gamma {:?}",
+            beta.status(),
+            gamma.status()
+        )
+    });
+    let theirs = gamma.local.read(offset, 65536).await.unwrap().data;
+    let mine = beta.local.read(offset, 65536).await.unwrap().data;
+    assert!(
+        mine == theirs,
+        "gamma differs from beta where only beta had the write"
+    );
+    let _ = trio.stop.send(true);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secondary_tells_the_other_secondaries_the_generation_it_takes() {
+    // Gamma must not judge a promotion by an old hello from beta: when beta takes a new
+    // generation from the primary, gamma hears of it on their idle link.
+    let trio = cluster(
+        "C",
+        3,
+        Arc::new(MemoryBackend::new(SIZE, false)),
+        "1G",
+        3,
+        None,
+    )
+    .await;
+    let (beta, gamma) = (&trio.secondaries[0], &trio.secondaries[1]);
+    let (_, mut newer) = beta.local_state();
+    newer.start_new(0x1234_5678_9abc_def0);
+    beta.adopt_state_from_primary(newer);
+    let (_, adopted) = beta.local_state();
+    tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            let view = gamma
+                .slot_named("beta")
+                .and_then(|slot| slot.conn.lock().unwrap().clone())
+                .map(|conn| conn.peer_generations());
+            if view == Some(adopted) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("gamma's view of beta follows beta's generation");
+    let _ = trio.stop.send(true);
 }

@@ -13,7 +13,7 @@ use super::generation::Generations;
 /// First field of every [`Hello`]: "NBLKREPL".
 pub const HELLO_MAGIC: u64 = 0x4e42_4c4b_5245_504c;
 /// The protocol version this code speaks.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 /// Largest data payload in one frame (an NBD write can be this large).
 pub const MAX_DATA: usize = crate::wire::MAX_PAYLOAD as usize;
 /// Largest frame body: the largest payload plus the fixed fields in front of it.
@@ -119,6 +119,11 @@ pub enum Message {
     BarrierAck {
         epoch: u64,
         status: u32,
+    },
+    /// Every replica acknowledged the barrier `epoch`: the writes before it are durable
+    /// on every node, so a secondary may let their extents leave its activity log.
+    BarrierDone {
+        epoch: u64,
     },
     Ping {
         token: u64,
@@ -235,6 +240,7 @@ mod kind {
     pub const STATE: u8 = 19;
     pub const OUT_OF_SYNC: u8 = 20;
     pub const OUT_OF_SYNC_DONE: u8 = 21;
+    pub const BARRIER_DONE: u8 = 22;
 }
 
 impl Role {
@@ -280,6 +286,7 @@ impl Message {
             Message::Ack { .. } => "ack",
             Message::Barrier { .. } => "barrier",
             Message::BarrierAck { .. } => "barrier-ack",
+            Message::BarrierDone { .. } => "barrier-done",
             Message::Ping { .. } => "ping",
             Message::Pong { .. } => "pong",
             Message::ReadRequest { .. } => "read-request",
@@ -389,6 +396,10 @@ impl Message {
                 out.put_u8(kind::BARRIER_ACK);
                 out.put_u64(*epoch);
                 out.put_u32(*status);
+            }
+            Message::BarrierDone { epoch } => {
+                out.put_u8(kind::BARRIER_DONE);
+                out.put_u64(*epoch);
             }
             Message::Ping { token } => {
                 out.put_u8(kind::PING);
@@ -583,6 +594,12 @@ impl Message {
                 Message::BarrierAck {
                     epoch: r.u64("epoch")?,
                     status: r.u32("status")?,
+                }
+            }
+            kind::BARRIER_DONE => {
+                r.kind = "barrier-done";
+                Message::BarrierDone {
+                    epoch: r.u64("epoch")?,
                 }
             }
             kind::PING => {
@@ -862,6 +879,7 @@ pub fn example_messages() -> Vec<Message> {
             epoch: 9,
             status: 5,
         },
+        Message::BarrierDone { epoch: 9 },
         Message::Ping { token: 77 },
         Message::Pong { token: 77 },
         Message::ReadRequest {
@@ -1090,6 +1108,7 @@ mod tests {
             any::<u64>().prop_map(|epoch| Message::Barrier { epoch }),
             (any::<u64>(), any::<u32>())
                 .prop_map(|(epoch, status)| Message::BarrierAck { epoch, status }),
+            any::<u64>().prop_map(|epoch| Message::BarrierDone { epoch }),
             any::<u64>().prop_map(|token| Message::Ping { token }),
             any::<u64>().prop_map(|token| Message::Pong { token }),
             (any::<u64>(), any::<u64>(), length.clone())

@@ -286,8 +286,16 @@ impl Shared {
         *current = None;
         drop(current);
         conn.close();
-        if was_replicating && self.is_primary() && !self.stopping.load(Ordering::Acquire) {
-            for (offset, length) in conn.take_in_flight() {
+        // While a demotion drains, this node is no longer primary but writes may still be
+        // in flight to the peer: those count as a primary's.
+        let in_flight = if was_replicating {
+            conn.take_in_flight()
+        } else {
+            Vec::new()
+        };
+        let writing = self.is_primary() || !in_flight.is_empty();
+        if was_replicating && writing && !self.stopping.load(Ordering::Acquire) {
+            for (offset, length) in in_flight {
                 meta.mark_out_of_sync(slot.index, offset, length);
             }
             for extent in meta.logged_extents().to_vec() {

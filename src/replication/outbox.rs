@@ -114,7 +114,8 @@ impl Outbox {
     }
 
     /// The writer task's loop: sends what senders left queued, waiting for the socket to
-    /// take it, until the outbox closes or the socket fails.
+    /// take it, until the outbox closes (even while the socket is full) or the socket
+    /// fails.
     pub async fn run_writer(&self) -> io::Result<()> {
         loop {
             self.writer_wanted.notified().await;
@@ -135,7 +136,17 @@ impl Outbox {
                     (socket, std::mem::take(&mut state.queued))
                 };
                 while !frames.is_empty() {
-                    socket.writable().await?;
+                    // A peer that stopped reading must not hold this task (and the redial
+                    // that waits for it) past a close.
+                    tokio::select! {
+                        ready = socket.writable() => ready?,
+                        () = self.writer_wanted.notified() => {
+                            if self.state().closed {
+                                return Ok(());
+                            }
+                            continue;
+                        }
+                    }
                     write_without_blocking(&socket, &mut frames)?;
                 }
             }
@@ -330,6 +341,40 @@ mod tests {
             writer.await.unwrap().unwrap();
             // The socket's sending side shut down: the reader sees the end.
             assert_eq!(server.read_buf(&mut received).await.unwrap(), 0);
+        });
+    }
+
+    /// A peer that stops reading must not keep the writer task (and so the redial)
+    /// waiting for the socket: closing the outbox ends the writer at once.
+    #[test]
+    fn closing_ends_a_writer_stuck_on_a_full_socket() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let client = TcpStream::connect(listener.local_addr().unwrap())
+                .await
+                .unwrap();
+            // Accepted and never read from.
+            let (_server, _) = listener.accept().await.unwrap();
+            let (_read, write_half) = client.into_split();
+            let outbox = Arc::new(Outbox::default());
+            outbox.attach(write_half);
+            let writer = tokio::spawn({
+                let outbox = Arc::clone(&outbox);
+                async move { outbox.run_writer().await }
+            });
+            // Far more than both socket buffers hold.
+            for seq in 0..256 {
+                outbox.send(&write(seq, 1 << 20)).unwrap();
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            assert!(!writer.is_finished(), "the writer waits for the socket");
+            outbox.close();
+            let ended = tokio::time::timeout(std::time::Duration::from_secs(2), writer).await;
+            assert!(ended.is_ok(), "the writer ended when the outbox closed");
         });
     }
 

@@ -482,6 +482,9 @@ def main():
                         "the default is one per core)")
     parser.add_argument("--no-write", action="store_true", help="print, do not write RESULTS.md")
     args = parser.parse_args()
+    # SIGTERM unwinds like Ctrl-C, so the finally blocks unmount, detach and stop
+    # what this run started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("terminated"))
     PROTOCOL[0] = args.protocol
     if args.threads:
         EXTRA_SERVE_ARGS.extend(["--threads", str(args.threads)])

@@ -16,14 +16,20 @@ use super::config::{NodeConfig, Protocol, ResourceConfig};
 use super::generation::{random_generation, SyncDecision, JUST_CREATED};
 use super::meta::{MetaError, Metadata, AL_SLOTS, EXTENT_SIZE, REGION_SIZE};
 use super::peer::{PeerConn, Plan, WaitKey};
-use super::wire::{write_flags, DiskState, Message, ResyncStatus, Role};
+use super::wire::{piece_checksums, write_flags, DiskState, Message, ResyncStatus, Role};
 use crate::backend::{
     Backend, BackendError, BackendFuture, Capabilities, Extent, ReadData, ZeroFlags,
 };
 use crate::wire::NbdError;
 
-/// Regions a resync has in flight at once (4 MiB).
-const RESYNC_WINDOW: usize = 64;
+/// Regions a resync has in flight at once (8 MiB; 4 MiB resynced 410 MiB in 0.57–0.71 s,
+/// 8 MiB in 0.49–0.64 s).
+const RESYNC_WINDOW: u64 = 128;
+/// Most consecutive out-of-sync regions one resync request covers (1 MiB): one read, one
+/// checksum message and one data message per run instead of per 64 KiB region. Measured:
+/// a 4 GiB device with 1 MiB of every 10 MiB out of sync resynced at 417 MB/s with a
+/// request per region, both nodes CPU-bound on per-message work.
+const RESYNC_RUN_REGIONS: u64 = 16;
 /// Regions resynced between two flushes of the target (16 MiB). Resync writes on the
 /// target are not FUA: buffered writes to one file run one at a time in io_uring's
 /// workers, so a FUA write (write + fdatasync) per 64 KiB region held the resync of a
@@ -32,6 +38,45 @@ const RESYNC_FLUSH_REGIONS: usize = 256;
 
 /// Protocol A: payload bytes a peer may have unacknowledged before writes wait for it.
 const PROTOCOL_A_MAX_UNACKED: u64 = 64 << 20;
+
+/// Spaces a resync's data sends so they average the configured rate: each send takes the
+/// next free slot as long as its bytes last at that rate, and goes at the slot's end.
+struct Pacer {
+    bytes_per_second: f64,
+    free_at: Mutex<tokio::time::Instant>,
+}
+
+impl Pacer {
+    fn new(bytes_per_second: u64) -> Pacer {
+        Pacer {
+            bytes_per_second: bytes_per_second as f64,
+            free_at: Mutex::new(tokio::time::Instant::now()),
+        }
+    }
+
+    /// When the sends already admitted have had their time.
+    fn free_at(&self) -> tokio::time::Instant {
+        *self.free_at.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits until `bytes` may be sent.
+    async fn wait_to_send(&self, bytes: u64) {
+        if bytes == 0 {
+            return;
+        }
+        let due = {
+            let mut free_at = self.free_at.lock().unwrap_or_else(|e| e.into_inner());
+            let start = (*free_at).max(tokio::time::Instant::now());
+            *free_at = start + Duration::from_secs_f64(bytes as f64 / self.bytes_per_second);
+            *free_at
+        };
+        // Timers tick in milliseconds: a shorter wait is not worth one (the next send
+        // still starts after this one's slot).
+        if due > tokio::time::Instant::now() + Duration::from_millis(1) {
+            tokio::time::sleep_until(due).await;
+        }
+    }
+}
 
 /// One configured peer and its connection, if any.
 pub struct PeerSlot {
@@ -644,7 +689,8 @@ impl Shared {
         self.ranges.lock(offset, length).await
     }
 
-    /// Resync of one peer's out-of-sync regions, one region at a time and rate-limited.
+    /// Resync of one peer's out-of-sync regions, in runs of consecutive regions, several
+    /// runs in flight, rate-limited.
     /// Only this peer's bitmap is used and cleared.
     pub async fn resync(&self, slot: &PeerSlot, conn: &Arc<PeerConn>) -> Result<(), String> {
         let size = self.local.size();
@@ -657,30 +703,44 @@ impl Shared {
         *slot.resync_clock.lock().unwrap_or_else(|e| e.into_inner()) =
             Some((std::time::Instant::now(), None));
         info!(peer = %slot.config.name, "resync: {} bytes out of sync", total * REGION_SIZE);
-        let started = tokio::time::Instant::now();
+        let rate = self.resource.resync_rate;
+        let pacer = Pacer::new(rate);
+        // In flight at most what the rate sends in 100 ms (at least one run), so a run
+        // waiting for its turn to send holds its range lock briefly.
+        let window = (rate / 10 / REGION_SIZE).clamp(RESYNC_RUN_REGIONS, RESYNC_WINDOW);
         let mut sent_bytes = 0u64;
         let mut region = 0;
-        // Several regions in flight, so a resync is not one round trip per 64 KiB.
+        // Several runs in flight, so a resync is not one round trip per run.
         let mut in_flight = FuturesUnordered::new();
+        let mut regions_in_flight = 0u64;
         // Regions the target wrote (without FUA) whose bits clear after its next flush,
         // and the flushes under way (resync goes on while the target flushes).
         let mut unflushed = Vec::new();
         let mut flushes = FuturesUnordered::new();
         let mut exhausted = false;
         loop {
-            // Rate limit on the bytes actually sent: new regions start only when on
-            // schedule, while those in flight are still polled (they hold range locks
-            // that client writes may be waiting for).
-            let due = started
-                + Duration::from_secs_f64(sent_bytes as f64 / self.resource.resync_rate as f64);
+            // Rate limit on the bytes actually sent (each run's data waits for its turn in
+            // the pacer): new runs start only when the pacer has no backlog, while those
+            // in flight are still polled (they hold range locks that client writes may be
+            // waiting for).
+            let due = pacer.free_at();
             let on_schedule = due <= tokio::time::Instant::now();
-            while on_schedule && !exhausted && in_flight.len() < RESYNC_WINDOW {
-                let Some(next) = self.meta().next_out_of_sync(slot.index, region) else {
-                    exhausted = true;
-                    break;
+            while on_schedule && !exhausted && regions_in_flight < window {
+                let (first, count) = {
+                    let meta = self.meta();
+                    let Some(first) = meta.next_out_of_sync(slot.index, region) else {
+                        exhausted = true;
+                        break;
+                    };
+                    let count = (1..RESYNC_RUN_REGIONS)
+                        .take_while(|&i| meta.is_out_of_sync(slot.index, first + i))
+                        .count() as u64
+                        + 1;
+                    (first, count)
                 };
-                region = next + 1;
-                in_flight.push(self.resync_region(slot, conn, next, size));
+                region = first + count;
+                regions_in_flight += count;
+                in_flight.push(self.resync_run(slot, conn, first, count, size, &pacer));
             }
             if exhausted && in_flight.is_empty() {
                 flushes.push(self.resync_flush(slot, conn, std::mem::take(&mut unflushed)));
@@ -691,9 +751,10 @@ impl Shared {
             }
             tokio::select! {
                 Some(done) = in_flight.next(), if !in_flight.is_empty() => {
-                    let (done_region, sent) = done?;
+                    let (first, count, sent) = done?;
                     sent_bytes += sent;
-                    unflushed.push(done_region);
+                    regions_in_flight -= count;
+                    unflushed.extend(first..first + count);
                     if unflushed.len() >= RESYNC_FLUSH_REGIONS {
                         flushes.push(self.resync_flush(slot, conn, std::mem::take(&mut unflushed)));
                     }
@@ -733,19 +794,23 @@ impl Shared {
         Ok(())
     }
 
-    /// Resyncs one region; returns the data bytes sent (0 when the checksums matched).
-    async fn resync_region(
+    /// Resyncs the run of `count` regions from `first`: the target compares checksums per
+    /// region, and only the regions that differ are sent. Returns the run and the data
+    /// bytes sent.
+    async fn resync_run(
         &self,
         slot: &PeerSlot,
         conn: &Arc<PeerConn>,
-        region: u64,
+        first: u64,
+        count: u64,
         size: u64,
-    ) -> Result<(u64, u64), String> {
+        pacer: &Pacer,
+    ) -> Result<(u64, u64, u64), String> {
         if conn.is_closed() {
             return Err("connection closed".into());
         }
-        let offset = region * REGION_SIZE;
-        let length = REGION_SIZE.min(size - offset);
+        let offset = first * REGION_SIZE;
+        let length = (count * REGION_SIZE).min(size - offset);
         let _guard = self.lock_range(offset, length).await;
         let data = self
             .local
@@ -760,24 +825,63 @@ impl Shared {
                 id,
                 offset,
                 length: length as u32,
-                checksum: crc32c::crc32c(&data),
+                piece: REGION_SIZE as u32,
+                checksums: piece_checksums(&data, REGION_SIZE as usize),
             },
         );
-        let mut status = self.await_resync(reply).await?;
-        let mut sent = 0;
-        if status == ResyncStatus::NeedData {
-            sent = length;
-            slot.resync_sent.fetch_add(length, Ordering::Relaxed);
-            let reply = conn.request(
+        let need = match self.await_resync(reply).await? {
+            Message::ResyncNeed { need, .. } => need,
+            Message::ResyncReply { status, .. } => {
+                return Err(format!(
+                    "peer could not compare offset {offset}: {status:?}"
+                ))
+            }
+            other => return Err(format!("unexpected {} during resync", other.name())),
+        };
+        // One data message per stretch of consecutive regions that differ, sent when the
+        // rate allows.
+        let sent = (0..count)
+            .filter(|&piece| need & (1 << piece) != 0)
+            .map(|piece| REGION_SIZE.min(length - piece * REGION_SIZE))
+            .sum();
+        pacer.wait_to_send(sent).await;
+        let mut writes = Vec::new();
+        let mut piece = 0;
+        while piece < count {
+            if need & (1 << piece) == 0 {
+                piece += 1;
+                continue;
+            }
+            let start = piece;
+            while piece < count && need & (1 << piece) != 0 {
+                piece += 1;
+            }
+            let from = (start * REGION_SIZE) as usize;
+            let to = ((piece * REGION_SIZE).min(length)) as usize;
+            let id = self.request_id();
+            writes.push(conn.request(
                 WaitKey::Request(id),
-                Message::ResyncData { id, offset, data },
-            );
-            status = self.await_resync(reply).await?;
+                Message::ResyncData {
+                    id,
+                    offset: offset + from as u64,
+                    data: data.slice(from..to),
+                },
+            ));
         }
-        if status != ResyncStatus::InSync {
-            return Err(format!("peer could not resync offset {offset}: {status:?}"));
+        slot.resync_sent.fetch_add(sent, Ordering::Relaxed);
+        for write in writes {
+            match self.await_resync(write).await? {
+                Message::ResyncReply {
+                    status: ResyncStatus::InSync,
+                    ..
+                } => {}
+                Message::ResyncReply { status, .. } => {
+                    return Err(format!("peer could not resync offset {offset}: {status:?}"))
+                }
+                other => return Err(format!("unexpected {} during resync", other.name())),
+            }
         }
-        Ok((region, sent))
+        Ok((first, count, sent))
     }
 
     /// Makes the target's resync writes durable (a barrier: it finishes what it received
@@ -808,13 +912,10 @@ impl Shared {
         Ok(())
     }
 
-    async fn await_resync(
-        &self,
-        reply: oneshot::Receiver<Message>,
-    ) -> Result<ResyncStatus, String> {
+    /// The target's answer to a resync request, within the peer timeout.
+    async fn await_resync(&self, reply: oneshot::Receiver<Message>) -> Result<Message, String> {
         match tokio::time::timeout(self.resource.peer_timeout, reply).await {
-            Ok(Ok(Message::ResyncReply { status, .. })) => Ok(status),
-            Ok(Ok(other)) => Err(format!("unexpected {} during resync", other.name())),
+            Ok(Ok(message)) => Ok(message),
             Ok(Err(_)) => Err("connection closed".into()),
             Err(_) => Err("resync reply timed out".into()),
         }

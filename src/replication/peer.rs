@@ -21,7 +21,9 @@ use super::config::Protocol;
 use super::generation::{Generations, SyncDecision};
 use super::layer::Shared;
 use super::outbox::Outbox;
-use super::wire::{write_flags, DiskState, Hello, Message, ResyncStatus, Role, PROTOCOL_VERSION};
+use super::wire::{
+    piece_checksums, write_flags, DiskState, Hello, Message, ResyncStatus, Role, PROTOCOL_VERSION,
+};
 use crate::backend::{BackendFuture, ZeroFlags};
 
 /// What a reply is waited for under.
@@ -751,21 +753,27 @@ async fn handle<'a>(
             id,
             offset,
             length,
-            checksum,
+            piece,
+            checksums,
         } => {
             must_be_target("a resync checksum")?;
             let fits = in_range(size, offset, u64::from(length));
             applying.push(Box::pin(async move {
-                let status = if !fits {
-                    ResyncStatus::Failed(crate::wire::NbdError::Inval.code())
-                } else {
-                    match local.read(offset, length as usize).await {
-                        Ok(read) if crc32c::crc32c(&read.data) == checksum => ResyncStatus::InSync,
-                        // An unreadable block is rewritten from the source.
-                        _ => ResyncStatus::NeedData,
-                    }
+                if !fits {
+                    let status = ResyncStatus::Failed(crate::wire::NbdError::Inval.code());
+                    return Ok(Message::ResyncReply { id, status });
+                }
+                let need = match local.read(offset, length as usize).await {
+                    Ok(read) => piece_checksums(&read.data, piece as usize)
+                        .iter()
+                        .zip(&checksums)
+                        .enumerate()
+                        .filter(|(_, (ours, theirs))| ours != theirs)
+                        .fold(0u64, |need, (i, _)| need | 1 << i),
+                    // Unreadable blocks are rewritten from the source.
+                    Err(_) => u64::MAX >> (64 - checksums.len()),
                 };
-                Ok(Message::ResyncReply { id, status })
+                Ok(Message::ResyncNeed { id, need })
             }));
         }
         Message::ResyncData { id, offset, data } => {
@@ -866,6 +874,7 @@ async fn handle<'a>(
         Message::BarrierAck { epoch, .. } => conn.deliver(WaitKey::Epoch(epoch), message),
         Message::ReadReply { id, .. }
         | Message::ResyncReply { id, .. }
+        | Message::ResyncNeed { id, .. }
         | Message::ChecksumReply { id, .. } => conn.deliver(WaitKey::Request(id), message),
         Message::Refuse { reason } => return Err(format!("refused by the peer: {reason}")),
         Message::Hello(_) => return Err("a second hello".into()),

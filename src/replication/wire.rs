@@ -13,7 +13,7 @@ use super::generation::Generations;
 /// First field of every [`Hello`]: "NBLKREPL".
 pub const HELLO_MAGIC: u64 = 0x4e42_4c4b_5245_504c;
 /// The protocol version this code speaks.
-pub const PROTOCOL_VERSION: u16 = 2;
+pub const PROTOCOL_VERSION: u16 = 3;
 /// Largest data payload in one frame (an NBD write can be this large).
 pub const MAX_DATA: usize = crate::wire::MAX_PAYLOAD as usize;
 /// Largest frame body: the largest payload plus the fixed fields in front of it.
@@ -25,6 +25,9 @@ pub const LENGTH_PREFIX: usize = 4;
 /// Payloads from this size on are sent from their own buffer ([`Message::encode_head`])
 /// instead of being copied into the frame.
 pub const SEPARATE_PAYLOAD_MIN: usize = 16 << 10;
+/// Most pieces one [`Message::ResyncChecksum`] compares (one bit each in
+/// [`Message::ResyncNeed`]).
+pub const MAX_RESYNC_PIECES: usize = 64;
 
 /// Flags on replicated writes.
 pub mod write_flags {
@@ -53,15 +56,19 @@ pub enum DiskState {
     Inconsistent,
 }
 
-/// Outcome of comparing or repairing one resync block.
+/// Outcome of a resync write (or of a resync comparison the target could not make).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ResyncStatus {
-    /// The target's block equals the source's (or was just rewritten).
+    /// The target's blocks now equal the source's.
     InSync,
-    /// Checksums differ: send the data.
-    NeedData,
-    /// The target could not read or write the block (NBD errno).
+    /// The target could not write the blocks, or the range was invalid (NBD errno).
     Failed(u32),
+}
+
+/// The CRC32C of each `piece`-byte part of `data` (the last part may be shorter): what a
+/// resync source sends and its target compares against.
+pub fn piece_checksums(data: &[u8], piece: usize) -> Vec<u32> {
+    data.chunks(piece.max(1)).map(crc32c::crc32c).collect()
 }
 
 /// The first message each side sends.
@@ -142,14 +149,25 @@ pub enum Message {
         status: u32,
         data: Bytes,
     },
-    /// Resync source → target: "my block has this CRC32C; is yours the same?"
+    /// Resync source → target: "my range `[offset, offset + length)` has these CRC32Cs,
+    /// one per `piece` bytes (the last part may be shorter); which of yours differ?"
+    /// One message covers a run of out-of-sync regions, so a resync is not a round trip
+    /// per region. Always `checksums.len() == length.div_ceil(piece)`, at most
+    /// [`MAX_RESYNC_PIECES`].
     ResyncChecksum {
         id: u64,
         offset: u64,
         length: u32,
-        checksum: u32,
+        piece: u32,
+        checksums: Vec<u32>,
     },
-    /// Resync source → target: the block's data, after a [`ResyncStatus::NeedData`].
+    /// Resync target → source: bit `i` of `need` is set when piece `i` differs (or could
+    /// not be read there).
+    ResyncNeed {
+        id: u64,
+        need: u64,
+    },
+    /// Resync source → target: data for pieces the target said it needs.
     ResyncData {
         id: u64,
         offset: u64,
@@ -241,6 +259,7 @@ mod kind {
     pub const OUT_OF_SYNC: u8 = 20;
     pub const OUT_OF_SYNC_DONE: u8 = 21;
     pub const BARRIER_DONE: u8 = 22;
+    pub const RESYNC_NEED: u8 = 23;
 }
 
 impl Role {
@@ -266,7 +285,6 @@ impl ResyncStatus {
     fn code(self) -> u32 {
         match self {
             ResyncStatus::InSync => 0,
-            ResyncStatus::NeedData => 1,
             // NBD errnos are small and positive; keep them apart from the two codes above.
             ResyncStatus::Failed(errno) => 0x100 | (errno & 0xff),
         }
@@ -292,6 +310,7 @@ impl Message {
             Message::ReadRequest { .. } => "read-request",
             Message::ReadReply { .. } => "read-reply",
             Message::ResyncChecksum { .. } => "resync-checksum",
+            Message::ResyncNeed { .. } => "resync-need",
             Message::ResyncData { .. } => "resync-data",
             Message::ResyncReply { .. } => "resync-reply",
             Message::ChecksumRequest { .. } => "checksum-request",
@@ -427,13 +446,22 @@ impl Message {
                 id,
                 offset,
                 length,
-                checksum,
+                piece,
+                checksums,
             } => {
                 out.put_u8(kind::RESYNC_CHECKSUM);
                 out.put_u64(*id);
                 out.put_u64(*offset);
                 out.put_u32(*length);
-                out.put_u32(*checksum);
+                out.put_u32(*piece);
+                for checksum in checksums {
+                    out.put_u32(*checksum);
+                }
+            }
+            Message::ResyncNeed { id, need } => {
+                out.put_u8(kind::RESYNC_NEED);
+                out.put_u64(*id);
+                out.put_u64(*need);
             }
             Message::ResyncData { id, offset, data } => {
                 out.put_u8(kind::RESYNC_DATA);
@@ -632,11 +660,33 @@ impl Message {
             }
             kind::RESYNC_CHECKSUM => {
                 r.kind = "resync-checksum";
+                let id = r.u64("id")?;
+                let offset = r.u64("offset")?;
+                let length = r.length()?;
+                let piece = r.u32("piece")?;
+                if piece == 0 {
+                    return Err(r.bad("piece", 0));
+                }
+                let count = length.div_ceil(piece) as usize;
+                if count == 0 || count > MAX_RESYNC_PIECES {
+                    return Err(r.bad("length", u64::from(length)));
+                }
+                let checksums = (0..count)
+                    .map(|_| r.u32("checksum"))
+                    .collect::<Result<_, _>>()?;
                 Message::ResyncChecksum {
+                    id,
+                    offset,
+                    length,
+                    piece,
+                    checksums,
+                }
+            }
+            kind::RESYNC_NEED => {
+                r.kind = "resync-need";
+                Message::ResyncNeed {
                     id: r.u64("id")?,
-                    offset: r.u64("offset")?,
-                    length: r.length()?,
-                    checksum: r.u32("checksum")?,
+                    need: r.u64("need")?,
                 }
             }
             kind::RESYNC_DATA => {
@@ -653,7 +703,6 @@ impl Message {
                 let code = r.u32("status")?;
                 let status = match code {
                     0 => ResyncStatus::InSync,
-                    1 => ResyncStatus::NeedData,
                     0x100..=0x1ff => ResyncStatus::Failed(code & 0xff),
                     _ => return Err(r.bad("status", u64::from(code))),
                 };
@@ -895,9 +944,11 @@ pub fn example_messages() -> Vec<Message> {
         Message::ResyncChecksum {
             id: 6,
             offset: 0,
-            length: 65536,
-            checksum: 0xdead_beef,
+            length: 3 * 65536 - 512,
+            piece: 65536,
+            checksums: vec![0xdead_beef, 7, 0],
         },
+        Message::ResyncNeed { id: 6, need: 0b101 },
         Message::ResyncData {
             id: 6,
             offset: 0,
@@ -998,6 +1049,38 @@ mod tests {
         assert!(matches!(
             frame(&refuse),
             Err(PeerWireError::Truncated { .. })
+        ));
+        // A resync comparison: piece 0, too many pieces, or fewer checksums than pieces.
+        let resync = |length: u32, piece: u32, checksums: usize| {
+            let mut body = vec![kind::RESYNC_CHECKSUM];
+            body.extend_from_slice(&[0; 16]);
+            body.extend_from_slice(&length.to_be_bytes());
+            body.extend_from_slice(&piece.to_be_bytes());
+            body.extend(std::iter::repeat_n(7u8, 4 * checksums));
+            frame(&body)
+        };
+        assert!(resync(4096, 4096, 1).is_ok());
+        assert!(matches!(
+            resync(4096, 0, 1),
+            Err(PeerWireError::BadValue { field: "piece", .. })
+        ));
+        assert!(matches!(
+            resync(65 * 512, 512, 65),
+            Err(PeerWireError::BadValue {
+                field: "length",
+                ..
+            })
+        ));
+        assert!(matches!(
+            resync(3 * 512, 512, 2),
+            Err(PeerWireError::Truncated {
+                field: "checksum",
+                ..
+            })
+        ));
+        assert!(matches!(
+            resync(512, 512, 2),
+            Err(PeerWireError::TrailingBytes { extra: 4, .. })
         ));
         let mut huge = BytesMut::new();
         huge.put_u32(u32::MAX);
@@ -1115,21 +1198,31 @@ mod tests {
                 .prop_map(|(id, offset, length)| Message::ReadRequest { id, offset, length }),
             (any::<u64>(), any::<u32>(), data())
                 .prop_map(|(id, status, data)| Message::ReadReply { id, status, data }),
-            (any::<u64>(), any::<u64>(), length.clone(), any::<u32>()).prop_map(
-                |(id, offset, length, checksum)| Message::ResyncChecksum {
-                    id,
-                    offset,
-                    length,
-                    checksum
-                }
-            ),
+            (
+                any::<u64>(),
+                any::<u64>(),
+                1u32..=(MAX_DATA / MAX_RESYNC_PIECES) as u32,
+                proptest::collection::vec(any::<u32>(), 1..=MAX_RESYNC_PIECES),
+                any::<u32>()
+            )
+                .prop_map(|(id, offset, piece, checksums, short)| {
+                    // The last piece holds 1..=piece bytes.
+                    let length = (checksums.len() as u32 - 1) * piece + 1 + short % piece;
+                    Message::ResyncChecksum {
+                        id,
+                        offset,
+                        length,
+                        piece,
+                        checksums,
+                    }
+                }),
+            (any::<u64>(), any::<u64>()).prop_map(|(id, need)| Message::ResyncNeed { id, need }),
             (any::<u64>(), any::<u64>(), data())
                 .prop_map(|(id, offset, data)| Message::ResyncData { id, offset, data }),
             (
                 any::<u64>(),
                 prop_oneof![
                     Just(ResyncStatus::InSync),
-                    Just(ResyncStatus::NeedData),
                     (0u32..256).prop_map(ResyncStatus::Failed)
                 ]
             )

@@ -539,6 +539,32 @@ impl Pipeline {
         }
     }
 
+    /// Parses and starts what the read buffer holds, then collects the replies of every
+    /// request that finished; says whether any did.
+    fn start_and_complete(&mut self, cx: &mut Context<'_>) -> bool {
+        if self.reading {
+            if let Err(fatal) = self.parse() {
+                self.stop_reading(fatal);
+            }
+            // After the client's end of stream, what is buffered is still served; once
+            // parsing stops for want of bytes rather than of room, nothing more will come.
+            if self.eof && self.reading && self.can_admit() {
+                let why = if self.awaiting_payload.is_some() || self.discard_left > 0 {
+                    "connection ended inside a payload"
+                } else {
+                    "client closed the connection"
+                };
+                self.stop_reading(why);
+            }
+        }
+        let mut completed = false;
+        while let Poll::Ready(Some(replies)) = self.in_flight.poll_next_unpin(cx) {
+            self.outq.extend(replies);
+            completed = true;
+        }
+        completed
+    }
+
     fn poll<S: Stream, F: Future<Output = ()>>(
         &mut self,
         cx: &mut Context<'_>,
@@ -589,25 +615,10 @@ impl Pipeline {
                     Poll::Pending => {}
                 }
             }
-            if self.reading {
-                if let Err(fatal) = self.parse() {
-                    self.stop_reading(fatal);
-                }
-                // After the client's end of stream, what is buffered is still served; once
-                // parsing stops for want of bytes rather than of room, nothing more will come.
-                if self.eof && self.reading && self.can_admit() {
-                    let why = if self.awaiting_payload.is_some() || self.discard_left > 0 {
-                        "connection ended inside a payload"
-                    } else {
-                        "client closed the connection"
-                    };
-                    self.stop_reading(why);
-                }
-            }
-            while let Poll::Ready(Some(replies)) = self.in_flight.poll_next_unpin(cx) {
-                self.outq.extend(replies);
-                progressed = true;
-            }
+            // Starting the parsed requests and polling those in flight runs plugged: the
+            // io_uring entries they queue reach the kernel together when this step ends,
+            // from this thread, before the replies are written (see `uring::plugged`).
+            progressed |= crate::backend::uring::plugged(|| self.start_and_complete(cx));
             if !self.outq.is_empty() {
                 match self.poll_write(cx, stream.as_mut()) {
                     Poll::Ready(Ok(wrote)) => progressed |= wrote,

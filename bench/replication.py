@@ -81,6 +81,24 @@ def make_namespaces():
         sh(["ip", "-n", NS[i], "link", "set", "lo", "up"])
 
 
+def shape_link(rate):
+    """Limits each direction of the veth pair to `rate` (tc's units, e.g. 4gbit) with a token
+    bucket, so the link rather than the two shared CPUs is the bottleneck, as on real hosts."""
+    bits = parse_rate(rate)
+    burst = max(bits // 8 // 250, 256 * 1024)  # 4 ms of tokens, at least four 64 KiB GSO segments
+    for i in (0, 1):
+        sh(["tc", "-n", NS[i], "qdisc", "add", "dev", VETH[i], "root", "tbf", "rate", rate,
+            "burst", str(burst), "latency", "20ms"])
+
+
+def parse_rate(rate):
+    """Bits per second of a tc rate such as 4gbit, 500mbit or 100kbit."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate.lower())
+    if not m:
+        raise SystemExit(f"--link-rate {rate}: give bits per second as tc does, e.g. 4gbit")
+    return int(float(m.group(1)) * {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[m.group(2)])
+
+
 def remove_namespaces():
     for ns in NS:
         sh(["ip", "netns", "del", ns], check=False)
@@ -480,6 +498,9 @@ def main():
                         "journal that both nodes share here)")
     parser.add_argument("--threads", type=int, help="tokio worker threads per node (a diagnostic: "
                         "the default is one per core)")
+    parser.add_argument("--link-rate", help="shape the veth link to this rate with tc tbf (e.g. 4gbit), "
+                        "so the link and not the two shared CPUs is the bottleneck; the report goes "
+                        "to its own section of RESULTS.md")
     parser.add_argument("--no-write", action="store_true", help="print, do not write RESULTS.md")
     args = parser.parse_args()
     # SIGTERM unwinds like Ctrl-C, so the finally blocks unmount, detach and stop
@@ -509,6 +530,8 @@ def main():
                "pgbench": {True: [], False: []}, "resync": [], "rtt": [], "iperf": []}
     make_namespaces()
     try:
+        if args.link_rate:
+            shape_link(args.link_rate)
         for r in range(rounds):
             rtt = link_round_trip(2000)
             results["rtt"].append(rtt)
@@ -550,16 +573,25 @@ def main():
         remove_namespaces()
         shutil.rmtree(work, ignore_errors=True)
     elapsed = time.time() - started
-    text = report(results, rounds, fua_count, runtime, pg, resync_size, step, elapsed, quick)
+    text = report(results, rounds, fua_count, runtime, pg, resync_size, step, elapsed, quick,
+                  args.link_rate)
     if args.no_write:
         print(text)
     else:
-        write_section(RESULTS, "replication", text)
+        write_section(RESULTS, "replication-shaped" if args.link_rate else "replication", text)
         log(f"wrote {RESULTS} ({elapsed / 60:.1f} min)")
 
 
-def report(results, rounds, fua_count, runtime, pg, resync_size, step, elapsed, quick):
-    lines = ["## Replication (`bench/replication.py`)", ""]
+def report(results, rounds, fua_count, runtime, pg, resync_size, step, elapsed, quick, link_rate=None):
+    if link_rate:
+        lines = [f"## Replication over a link shaped to {link_rate} (`bench/replication.py "
+                 f"--link-rate {link_rate}`)", "",
+                 f"The same setup as the unshaped run, with each direction of the veth pair limited "
+                 f"to {link_rate} by a tc token bucket (tbf), so that the link, not the two CPUs "
+                 "that both nodes, both TCP stacks and the clients share, is the bottleneck, as "
+                 "between real hosts. The link figures below are measured through the shaper.", ""]
+    else:
+        lines = ["## Replication (`bench/replication.py`)", ""]
     commit = sh(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=False).stdout.strip()
     lines.append(
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} at netblk {commit}"

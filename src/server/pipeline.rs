@@ -14,7 +14,9 @@
 //!
 //! Large reads with chunked replies are split into pieces that run concurrently, and each
 //! piece's data leaves as its own `OFFSET_DATA` chunk as soon as it is read, so a 32 MiB
-//! read starts flowing early instead of arriving as one burst.
+//! read starts flowing early instead of arriving as one burst. Large writes go the other
+//! way: each 1 MiB piece of the payload is handed to the backend as soon as it has arrived,
+//! and the reply follows the last piece.
 //!
 //! Memory is bounded per connection: at most [`MAX_IN_FLIGHT`] requests, about
 //! [`BYTE_BUDGET`] bytes of payloads and unsent read data, and [`MAX_QUEUED_REPLIES`]
@@ -55,6 +57,12 @@ pub const MAX_QUEUED_REPLIES: usize = 16 * 1024;
 /// gave 2.7–3.1 GB/s for 32 MiB reads and 4.1 GB/s for 4 MiB reads, 512 KiB pieces
 /// 3.8–4.0 and 5.1–5.7; 256 KiB and 1 MiB did no better.
 pub const STREAM_PIECE: u32 = 512 * 1024;
+/// Writes longer than this go to the backend a piece at a time as their payload arrives,
+/// and the reply follows the last piece. Measured on the memory export with fio at QD8,
+/// alternating runs: 32 MiB writes 3.9–4.0 GB/s whole, 4.1–4.7 in 512 KiB pieces, 4.8 in
+/// 1 MiB pieces (with 28% less server CPU per byte: the payload is copied on while still
+/// in cache); 1 MiB writes lost 10–20% when split in two, so pieces are 1 MiB.
+pub const WRITE_PIECE: u32 = 1024 * 1024;
 /// Once the replies collected in one round carry this much read data, they are written
 /// before more requests are polled: a memory read copies its data when first polled, so
 /// polling every ready read first left megabytes to fall out of the cache before `writev`
@@ -132,11 +140,16 @@ pub async fn run<S: Stream>(
 
 /// A write whose payload is still arriving. Payloads of [`MIN_POOLED`] bytes or more are
 /// read straight from the socket into a pooled buffer (`direct`, with how much is filled);
-/// smaller ones are split off the read buffer.
+/// smaller ones are split off the read buffer. Payloads over [`WRITE_PIECE`] are gathered
+/// a piece at a time, and each full piece is written to the backend while the rest of the
+/// payload still arrives (`streamed`).
 struct PendingPayload {
     header: RequestHeader,
     command: Command,
     direct: Option<(Buffer, usize)>,
+    /// Payload bytes before `direct`'s buffer, already handed to the backend as pieces.
+    sent: usize,
+    streamed: Option<Arc<Mutex<StreamedWrite>>>,
 }
 
 /// One client read inside a merged backend read.
@@ -280,14 +293,26 @@ impl Pipeline {
                 let need = pending.header.length as usize;
                 let payload = match pending.direct.take() {
                     Some((mut buffer, mut filled)) => {
-                        let n = (need - filled).min(self.inbuf.len());
+                        let want = buffer.len();
+                        let n = (want - filled).min(self.inbuf.len());
                         buffer.as_mut()[filled..filled + n].copy_from_slice(&self.inbuf[..n]);
                         self.inbuf.advance(n);
                         filled += n;
-                        if filled < need {
+                        if filled < want {
                             pending.direct = Some((buffer, filled));
                             self.awaiting_payload = Some(pending);
                             return Ok(());
+                        }
+                        if let Some(shared) = &pending.streamed {
+                            // A full piece of a streamed write goes to the backend now.
+                            self.start_write_piece(&pending, buffer.into_bytes(), shared);
+                            pending.sent += want;
+                            if pending.sent < need {
+                                let next = (need - pending.sent).min(WRITE_PIECE as usize);
+                                pending.direct = Some((Buffer::take(next), 0));
+                                self.awaiting_payload = Some(pending);
+                            }
+                            continue;
                         }
                         buffer.into_bytes()
                     }
@@ -327,11 +352,24 @@ impl Pipeline {
                         // Every byte of a pooled buffer is overwritten by the payload
                         // before it is used.
                         let len = payload_len as usize;
-                        let direct = (len >= MIN_POOLED).then(|| (Buffer::take(len), 0));
+                        let streamed = (len > WRITE_PIECE as usize).then(|| {
+                            Arc::new(Mutex::new(StreamedWrite {
+                                left: payload_len.div_ceil(u64::from(WRITE_PIECE)) as u32,
+                                error: None,
+                            }))
+                        });
+                        let first = if streamed.is_some() {
+                            WRITE_PIECE as usize
+                        } else {
+                            len
+                        };
+                        let direct = (len >= MIN_POOLED).then(|| (Buffer::take(first), 0));
                         self.awaiting_payload = Some(PendingPayload {
                             header,
                             command,
                             direct,
+                            sent: 0,
+                            streamed,
                         });
                     }
                     other => {
@@ -352,6 +390,28 @@ impl Pipeline {
                 Err(error) => self.queue_error(&header, error),
             }
         }
+    }
+
+    /// Starts writing one full piece of a streamed write; the piece that completes last
+    /// sends the reply.
+    fn start_write_piece(
+        &mut self,
+        pending: &PendingPayload,
+        data: Bytes,
+        shared: &Arc<Mutex<StreamedWrite>>,
+    ) {
+        let Command::Write { offset, fua, .. } = pending.command else {
+            unreachable!("only writes carry payloads")
+        };
+        let backend = Arc::clone(&self.backend);
+        let enc = self.encoder(pending.header.cookie, pending.header.offset);
+        let shared = Arc::clone(shared);
+        let at = offset + pending.sent as u64;
+        let release = pending.header.length;
+        self.in_flight.push(Box::pin(async move {
+            let result = backend.write(at, data, fua).await;
+            write_piece_done(enc, result, release, &shared)
+        }));
     }
 
     /// Starts a validated request. A write's payload budget was taken when its header was
@@ -605,11 +665,10 @@ impl Pipeline {
                     // A large payload, with nothing of it left in the read buffer: read it
                     // straight into its own buffer.
                     Some(PendingPayload {
-                        header,
                         direct: Some((buffer, filled)),
                         ..
                     }) if self.inbuf.is_empty() => {
-                        let need = header.length as usize;
+                        let need = buffer.len();
                         let mut window = ReadBuf::new(&mut buffer.as_mut()[*filled..need]);
                         match stream.as_mut().poll_read(cx, &mut window) {
                             Poll::Ready(Ok(())) => {
@@ -789,6 +848,32 @@ struct StreamedRead {
     error: Option<(NbdError, String)>,
 }
 
+/// What the pieces of one streamed write share: how many are not done yet, and the first
+/// error.
+struct StreamedWrite {
+    left: u32,
+    error: Option<BackendError>,
+}
+
+/// Records a finished piece of a streamed write; the last one to finish makes the reply,
+/// which carries the first error any piece had.
+fn write_piece_done(
+    enc: ReplyEncoder,
+    result: Result<(), BackendError>,
+    release: u64,
+    shared: &Mutex<StreamedWrite>,
+) -> Replies {
+    let mut state = shared.lock().unwrap_or_else(|e| e.into_inner());
+    state.left -= 1;
+    if let Err(e) = result {
+        state.error.get_or_insert(e);
+    }
+    if state.left > 0 {
+        return Vec::new();
+    }
+    status_reply(enc, state.error.take().map_or(Ok(()), Err), release)
+}
+
 async fn read_piece(
     backend: &dyn Backend,
     enc: ReplyEncoder,
@@ -895,10 +980,24 @@ mod tests {
         connect_to(Arc::new(MemoryBackend::new(64 << 20, false))).await
     }
 
-    /// A memory export that counts the reads it is asked for.
+    /// A memory export that counts the reads and writes it is asked for, and fails a write
+    /// that starts at `fail_write_at`.
     struct CountingReads {
         inner: MemoryBackend,
         reads: std::sync::atomic::AtomicUsize,
+        writes: std::sync::atomic::AtomicUsize,
+        fail_write_at: Option<u64>,
+    }
+
+    impl CountingReads {
+        fn new(fail_write_at: Option<u64>) -> CountingReads {
+            CountingReads {
+                inner: MemoryBackend::new(64 << 20, false),
+                reads: Default::default(),
+                writes: Default::default(),
+                fail_write_at,
+            }
+        }
     }
 
     impl Backend for CountingReads {
@@ -918,6 +1017,17 @@ mod tests {
             data: Bytes,
             fua: bool,
         ) -> crate::backend::BackendFuture<'_, ()> {
+            self.writes
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            if self.fail_write_at == Some(offset) {
+                let length = data.len() as u64;
+                return Box::pin(std::future::ready(Err(BackendError::plain(
+                    "write",
+                    offset,
+                    length,
+                    NbdError::Io,
+                ))));
+            }
             self.inner.write(offset, data, fua)
         }
         fn flush(&self) -> crate::backend::BackendFuture<'_, ()> {
@@ -953,10 +1063,7 @@ mod tests {
 
     #[tokio::test]
     async fn adjacent_reads_sent_together_are_served_by_one_backend_read() {
-        let backend = Arc::new(CountingReads {
-            inner: MemoryBackend::new(64 << 20, false),
-            reads: Default::default(),
-        });
+        let backend = Arc::new(CountingReads::new(None));
         let mut client = connect_to(Arc::clone(&backend) as Arc<dyn Backend>).await;
         // 64 KiB of pattern, then a 64 KiB hole (a page never written).
         let pattern: Vec<u8> = (0..65536).map(|i| (i * 13 % 251) as u8).collect();
@@ -1012,6 +1119,73 @@ mod tests {
             reads < 32,
             "32 adjacent reads took {reads} backend reads: nothing merged"
         );
+    }
+
+    /// Sends one write of `data` at 4096 and returns its reply's chunk type, after checking
+    /// that exactly one reply came for it.
+    async fn write_and_answer(client: &mut DuplexStream, data: &[u8]) -> u16 {
+        client
+            .write_all(&request(cmd::WRITE, 0, 7, 4096, data.len() as u64))
+            .await
+            .unwrap();
+        client.write_all(data).await.unwrap();
+        let header = read_exactly(client, 20).await;
+        let Some((
+            DecodedReply::Chunk {
+                flags,
+                kind,
+                cookie,
+                payload_len,
+                ..
+            },
+            _,
+        )) = DecodedReply::decode(&header).unwrap()
+        else {
+            panic!("structured chunk expected")
+        };
+        assert_eq!(cookie, 7);
+        assert!(flags & reply::FLAG_DONE != 0, "one reply, the final one");
+        read_exactly(client, payload_len as usize).await;
+        // The connection goes on, and nothing else was queued for the write.
+        client
+            .write_all(&request(cmd::FLUSH, 0, 8, 0, 0))
+            .await
+            .unwrap();
+        let next = read_exactly(client, 20).await;
+        let Some((DecodedReply::Chunk { cookie, .. }, _)) = DecodedReply::decode(&next).unwrap()
+        else {
+            panic!("structured chunk expected")
+        };
+        assert_eq!(cookie, 8, "a second reply for the write");
+        kind
+    }
+
+    #[tokio::test]
+    async fn a_large_write_goes_to_the_backend_in_pieces_and_is_answered_once() {
+        let backend = Arc::new(CountingReads::new(None));
+        let mut client = connect_to(Arc::clone(&backend) as Arc<dyn Backend>).await;
+        let len = 3 * WRITE_PIECE as usize + 12345;
+        let data: Vec<u8> = (0..len).map(|i| (i * 7 % 253) as u8).collect();
+        let kind = write_and_answer(&mut client, &data).await;
+        assert_eq!(kind, reply::TYPE_NONE);
+        assert_eq!(
+            backend.writes.load(std::sync::atomic::Ordering::SeqCst),
+            4,
+            "three full pieces and the rest"
+        );
+        let stored = backend.inner.read(4096, len).await.unwrap();
+        assert!(stored.data[..] == data[..], "the pieces landed in place");
+    }
+
+    #[tokio::test]
+    async fn a_piece_of_a_large_write_that_fails_fails_the_write_once() {
+        let second_piece = 4096 + u64::from(WRITE_PIECE);
+        let backend = Arc::new(CountingReads::new(Some(second_piece)));
+        let mut client = connect_to(Arc::clone(&backend) as Arc<dyn Backend>).await;
+        let data = vec![9u8; 2 * WRITE_PIECE as usize + 4096];
+        let kind = write_and_answer(&mut client, &data).await;
+        assert_eq!(kind, reply::TYPE_ERROR);
+        assert_eq!(backend.writes.load(std::sync::atomic::Ordering::SeqCst), 3);
     }
 
     /// Negotiates structured replies on `backend`.

@@ -1,7 +1,8 @@
 //! A backend over a regular file or a block device. Reads, writes and syncs go through an
-//! io_uring ([`super::uring`]); with `--cache=none` the file is opened `O_DIRECT` and
-//! requests that do not cover whole blocks are read-modify-written under a range lock
-//! ([`super::range_lock`]). TRIM punches holes, WRITE_ZEROES uses `fallocate`, block status
+//! io_uring ([`super::uring`]), except in writeback mode, where writes without FUA are
+//! copied into the page cache on the calling thread and small cached reads are tried there
+//! first. With `--cache=none` the file is opened `O_DIRECT` and requests that do not cover
+//! whole blocks are read-modify-written under a range lock ([`super::range_lock`]). TRIM punches holes, WRITE_ZEROES uses `fallocate`, block status
 //! comes from `SEEK_DATA`/`SEEK_HOLE`, FUA writes use `RWF_DSYNC`, and FLUSH syncs only when
 //! a write completed since the last sync.
 
@@ -290,6 +291,41 @@ impl FileBackend {
         Ok(())
     }
 
+    /// Copies `data` into the page cache at `offset` on the calling thread (`pwritev2`).
+    ///
+    /// Why not through the ring: ext4 cannot take a buffered write without blocking
+    /// (`RWF_NOWAIT` gives EOPNOTSUPP), so io_uring hands every one to a worker thread, and
+    /// buffered writes to one file are hashed to one worker and run one at a time, each
+    /// with a thread hand-off. Measured with fio at QD8 / QD32, alternating with nbdkit,
+    /// each run from a freshly cached file: sequential 4 KiB writes 228–257 MB/s through
+    /// the ring, 421–487 inline (nbdkit 344–447); 64 KiB 2.7–2.8 GB/s against 3.5–3.8
+    /// (nbdkit 3.7–4.7); 4 KiB random writes at QD32 148–167 MB/s against 280–389 (nbdkit
+    /// 223–321), at half the server CPU per write. The cost: a write the kernel throttles
+    /// (dirty-page limits) holds this worker thread meanwhile, as it holds one of nbdkit's.
+    fn write_to_page_cache(&self, offset: u64, data: &[u8]) -> Result<(), BackendError> {
+        let length = data.len() as u64;
+        let mut done = 0usize;
+        while done < data.len() {
+            let n = rustix::io::pwritev2(
+                &*self.file,
+                &[std::io::IoSlice::new(&data[done..])],
+                offset + done as u64,
+                rustix::io::ReadWriteFlags::empty(),
+            )
+            .map_err(|e| BackendError::io("write", offset, length, errno(e)))?;
+            if n == 0 {
+                return Err(BackendError::io(
+                    "write",
+                    offset,
+                    length,
+                    std::io::ErrorKind::WriteZero.into(),
+                ));
+            }
+            done += n;
+        }
+        Ok(())
+    }
+
     /// A direct-I/O write of whole blocks; the data is copied into an aligned buffer when
     /// it does not start on one.
     async fn write_blocks(&self, offset: u64, data: Bytes, fua: bool) -> Result<(), BackendError> {
@@ -506,7 +542,10 @@ impl Backend for FileBackend {
     fn write(&self, offset: u64, data: Bytes, fua: bool) -> BackendFuture<'_, ()> {
         Box::pin(async move {
             let length = data.len() as u64;
-            if self.cache == CacheMode::Writeback {
+            if self.cache == CacheMode::Writeback && !fua {
+                self.write_to_page_cache(offset, &data)?;
+            } else if self.cache == CacheMode::Writeback {
+                // FUA waits for the device: that wait belongs in io_uring's workers.
                 self.write_through_ring(offset, data, fua).await?;
             } else if offset % self.block == 0 && length % self.block == 0 {
                 let _held = self.lock_shared(offset, length).await;

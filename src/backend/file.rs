@@ -291,7 +291,7 @@ impl FileBackend {
         Ok(())
     }
 
-    /// Copies `data` into the page cache at `offset` on the calling thread (`pwritev2`).
+    /// Copies `data` into the page cache at `offset` on the calling thread (`pwrite`).
     ///
     /// Why not through the ring: ext4 cannot take a buffered write without blocking
     /// (`RWF_NOWAIT` gives EOPNOTSUPP), so io_uring hands every one to a worker thread, and
@@ -303,27 +303,10 @@ impl FileBackend {
     /// 223–321), at half the server CPU per write. The cost: a write the kernel throttles
     /// (dirty-page limits) holds this worker thread meanwhile, as it holds one of nbdkit's.
     fn write_to_page_cache(&self, offset: u64, data: &[u8]) -> Result<(), BackendError> {
-        let length = data.len() as u64;
-        let mut done = 0usize;
-        while done < data.len() {
-            let n = rustix::io::pwritev2(
-                &*self.file,
-                &[std::io::IoSlice::new(&data[done..])],
-                offset + done as u64,
-                rustix::io::ReadWriteFlags::empty(),
-            )
-            .map_err(|e| BackendError::io("write", offset, length, errno(e)))?;
-            if n == 0 {
-                return Err(BackendError::io(
-                    "write",
-                    offset,
-                    length,
-                    std::io::ErrorKind::WriteZero.into(),
-                ));
-            }
-            done += n;
-        }
-        Ok(())
+        use std::os::unix::fs::FileExt;
+        self.file
+            .write_all_at(data, offset)
+            .map_err(|e| BackendError::io("write", offset, data.len() as u64, e))
     }
 
     /// A direct-I/O write of whole blocks; the data is copied into an aligned buffer when

@@ -2,9 +2,10 @@
 //! io_uring ([`super::uring`]), except in writeback mode, where writes without FUA are
 //! copied into the page cache on the calling thread and small cached reads are tried there
 //! first. With `--cache=none` the file is opened `O_DIRECT` and requests that do not cover
-//! whole blocks are read-modify-written under a range lock ([`super::range_lock`]). TRIM punches holes, WRITE_ZEROES uses `fallocate`, block status
-//! comes from `SEEK_DATA`/`SEEK_HOLE`, FUA writes use `RWF_DSYNC`, and FLUSH syncs only when
-//! a write completed since the last sync.
+//! whole blocks are read-modify-written under a range lock ([`super::range_lock`]). TRIM
+//! punches holes, WRITE_ZEROES uses `fallocate`, block status comes from
+//! `SEEK_DATA`/`SEEK_HOLE`, FUA writes use `RWF_DSYNC`, and FLUSH syncs only when a write
+//! completed since the last sync.
 
 use std::fs::{File, OpenOptions};
 use std::io::{Seek, SeekFrom};

@@ -359,8 +359,8 @@ impl Ring {
         Ok(())
     }
 
-    /// Hands the queued entries to the kernel now when they are all that is in flight and
-    /// just one; otherwise asks the reaper to.
+    /// Hands the queued entries (`submit_scheduled` is set) to the kernel now when they are
+    /// all that is in flight and just one; otherwise asks the reaper to.
     ///
     /// An entry alone in the ring goes in at once: nothing else is in flight to batch
     /// with, and handing it to the reaper would cost a wake-up of another worker thread
@@ -372,7 +372,6 @@ impl Ring {
         if state.slots.len() - state.free.len() == 1 {
             state.submit_and_reap();
         } else {
-            state.submit_scheduled = true;
             self.submit_wanted.notify_one();
         }
     }
@@ -419,14 +418,14 @@ async fn reap_forever(ring: Weak<Ring>, eventfd: AsyncFd<OwnedFd>) {
                 let mut counter = [0u8; 8];
                 let _ = rustix::io::read(eventfd.get_ref(), &mut counter);
                 ready.clear_ready();
-                strong.state.lock().unwrap_or_else(|e| e.into_inner()).reap();
+                strong.lock().reap();
             }
             _ = strong.submit_wanted.notified() => {
                 drop(strong);
                 // Let every task that is ready now queue its entries first.
                 tokio::task::yield_now().await;
                 let Some(strong) = ring.upgrade() else { return };
-                strong.state.lock().unwrap_or_else(|e| e.into_inner()).submit_and_reap();
+                strong.lock().submit_and_reap();
             }
         }
     }
@@ -454,6 +453,17 @@ mod tests {
     use std::future::Future as _;
     use std::io::Write as _;
 
+    /// An empty temporary file, opened for reading and writing.
+    fn scratch_file() -> (tempfile::NamedTempFile, Arc<File>) {
+        let tmp = tempfile::NamedTempFile::new().unwrap();
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(tmp.path())
+            .unwrap();
+        (tmp, Arc::new(file))
+    }
+
     fn runtime() -> tokio::runtime::Runtime {
         tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -464,15 +474,8 @@ mod tests {
 
     #[test]
     fn writes_reads_and_syncs_go_through_the_ring() {
-        let mut tmp = tempfile::NamedTempFile::new().unwrap();
+        let (mut tmp, file) = scratch_file();
         tmp.write_all(&vec![0u8; 1 << 20]).unwrap();
-        let file = Arc::new(
-            std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(tmp.path())
-                .unwrap(),
-        );
         let ring = Ring::new().unwrap();
         runtime().block_on(async {
             let n = ring
@@ -493,14 +496,7 @@ mod tests {
 
     #[test]
     fn many_requests_in_flight_complete_and_a_dropped_waiter_loses_nothing() {
-        let tmp = tempfile::NamedTempFile::new().unwrap();
-        let file = Arc::new(
-            std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(tmp.path())
-                .unwrap(),
-        );
+        let (_tmp, file) = scratch_file();
         let ring = Ring::new().unwrap();
         runtime().block_on(async {
             let writes = (0..2000u64).map(|i| {
@@ -533,14 +529,7 @@ mod tests {
 
     #[test]
     fn entries_queued_inside_a_plug_reach_the_kernel_together_after_it_ends() {
-        let tmp = tempfile::NamedTempFile::new().unwrap();
-        let file = Arc::new(
-            std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(tmp.path())
-                .unwrap(),
-        );
+        let (_tmp, file) = scratch_file();
         let ring = Ring::new().unwrap();
         // One thread: the reaper cannot run before this task yields.
         let runtime = tokio::runtime::Builder::new_current_thread()
@@ -596,14 +585,7 @@ mod tests {
 
     #[test]
     fn a_ring_outlives_the_runtime_that_first_used_it() {
-        let tmp = tempfile::NamedTempFile::new().unwrap();
-        let file = Arc::new(
-            std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(tmp.path())
-                .unwrap(),
-        );
+        let (_tmp, file) = scratch_file();
         let ring = Ring::new().unwrap();
         for round in 0..3u8 {
             let runtime = tokio::runtime::Builder::new_current_thread()

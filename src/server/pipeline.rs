@@ -303,9 +303,9 @@ impl Pipeline {
                             self.awaiting_payload = Some(pending);
                             return Ok(());
                         }
-                        if let Some(shared) = &pending.streamed {
+                        if pending.streamed.is_some() {
                             // A full piece of a streamed write goes to the backend now.
-                            self.start_write_piece(&pending, buffer.into_bytes(), shared);
+                            self.start_write_piece(&pending, buffer.into_bytes());
                             pending.sent += want;
                             if pending.sent < need {
                                 let next = (need - pending.sent).min(WRITE_PIECE as usize);
@@ -394,14 +394,11 @@ impl Pipeline {
 
     /// Starts writing one full piece of a streamed write; the piece that completes last
     /// sends the reply.
-    fn start_write_piece(
-        &mut self,
-        pending: &PendingPayload,
-        data: Bytes,
-        shared: &Arc<Mutex<StreamedWrite>>,
-    ) {
-        let Command::Write { offset, fua, .. } = pending.command else {
-            unreachable!("only writes carry payloads")
+    fn start_write_piece(&mut self, pending: &PendingPayload, data: Bytes) {
+        let (Command::Write { offset, fua, .. }, Some(shared)) =
+            (pending.command, &pending.streamed)
+        else {
+            unreachable!("only streamed writes come in pieces")
         };
         let backend = Arc::clone(&self.backend);
         let enc = self.encoder(pending.header.cookie, pending.header.offset);
@@ -1081,21 +1078,7 @@ mod tests {
         client.write_all(&batch).await.unwrap();
         let mut seen = std::collections::HashSet::new();
         while seen.len() < 32 {
-            let header = read_exactly(&mut client, 20).await;
-            let Some((
-                DecodedReply::Chunk {
-                    flags,
-                    kind,
-                    cookie,
-                    payload_len,
-                    ..
-                },
-                _,
-            )) = DecodedReply::decode(&header).unwrap()
-            else {
-                panic!("structured chunk expected")
-            };
-            let payload = read_exactly(&mut client, payload_len as usize).await;
+            let (flags, kind, cookie, payload) = read_chunk(&mut client).await;
             let i = cookie - 100;
             let at = u64::from_be_bytes(payload[..8].try_into().unwrap());
             assert_eq!(at, i * 4096, "each reply is for its own request");
@@ -1129,33 +1112,15 @@ mod tests {
             .await
             .unwrap();
         client.write_all(data).await.unwrap();
-        let header = read_exactly(client, 20).await;
-        let Some((
-            DecodedReply::Chunk {
-                flags,
-                kind,
-                cookie,
-                payload_len,
-                ..
-            },
-            _,
-        )) = DecodedReply::decode(&header).unwrap()
-        else {
-            panic!("structured chunk expected")
-        };
+        let (flags, kind, cookie, _) = read_chunk(client).await;
         assert_eq!(cookie, 7);
         assert!(flags & reply::FLAG_DONE != 0, "one reply, the final one");
-        read_exactly(client, payload_len as usize).await;
         // The connection goes on, and nothing else was queued for the write.
         client
             .write_all(&request(cmd::FLUSH, 0, 8, 0, 0))
             .await
             .unwrap();
-        let next = read_exactly(client, 20).await;
-        let Some((DecodedReply::Chunk { cookie, .. }, _)) = DecodedReply::decode(&next).unwrap()
-        else {
-            panic!("structured chunk expected")
-        };
+        let (_, _, cookie, _) = read_chunk(client).await;
         assert_eq!(cookie, 8, "a second reply for the write");
         kind
     }
@@ -1237,6 +1202,26 @@ mod tests {
         client
     }
 
+    /// Reads one structured reply chunk: its flags, type, cookie and payload.
+    async fn read_chunk(client: &mut DuplexStream) -> (u16, u16, u64, Vec<u8>) {
+        let header = read_exactly(client, 20).await;
+        let Some((
+            DecodedReply::Chunk {
+                flags,
+                kind,
+                cookie,
+                payload_len,
+                ..
+            },
+            _,
+        )) = DecodedReply::decode(&header).unwrap()
+        else {
+            panic!("structured chunk expected")
+        };
+        let payload = read_exactly(client, payload_len as usize).await;
+        (flags, kind, cookie, payload)
+    }
+
     async fn read_exactly(client: &mut DuplexStream, n: usize) -> Vec<u8> {
         let mut data = vec![0u8; n];
         client.read_exact(&mut data).await.unwrap();
@@ -1269,22 +1254,8 @@ mod tests {
         let mut covered = 0;
         let mut chunks = 0;
         loop {
-            let header = read_exactly(&mut client, 20).await;
-            let Some((
-                DecodedReply::Chunk {
-                    flags,
-                    kind,
-                    cookie,
-                    payload_len,
-                    ..
-                },
-                _,
-            )) = DecodedReply::decode(&header).unwrap()
-            else {
-                panic!("structured chunk expected")
-            };
+            let (flags, kind, cookie, payload) = read_chunk(&mut client).await;
             assert_eq!(cookie, 2);
-            let payload = read_exactly(&mut client, payload_len as usize).await;
             match kind {
                 reply::TYPE_OFFSET_DATA => {
                     let at = u64::from_be_bytes(payload[..8].try_into().unwrap()) as usize - 4096;

@@ -142,8 +142,33 @@ async fn accept_loop(
 }
 
 /// An accepted connection of either kind.
-pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static {}
-impl<T: AsyncRead + AsyncWrite + Unpin + Send + 'static> Stream for T {}
+pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static {
+    /// The socket underneath, for a non-blocking receive that does not go through the
+    /// reactor (see `pipeline`'s idle spin); `None` for in-memory streams.
+    fn socket_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        None
+    }
+}
+
+impl Stream for tokio::net::TcpStream {
+    fn socket_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        Some(std::os::fd::AsFd::as_fd(self))
+    }
+}
+
+impl Stream for tokio::net::UnixStream {
+    fn socket_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        Some(std::os::fd::AsFd::as_fd(self))
+    }
+}
+
+impl Stream for tokio::io::DuplexStream {}
+
+impl Stream for Box<dyn Stream> {
+    fn socket_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        (**self).socket_fd()
+    }
+}
 
 async fn accept(listener: &Listener) -> std::io::Result<(Box<dyn Stream>, String)> {
     match listener {

@@ -648,6 +648,10 @@ impl Backend for FileBackend {
                 .collect())
         }))
     }
+
+    fn poll_completions(&self) -> Option<u64> {
+        Some(self.ring.reap_posted())
+    }
 }
 
 impl std::fmt::Debug for FileBackend {

@@ -199,6 +199,14 @@ pub trait Backend: Send + Sync + 'static {
     /// Allocation state from `offset`, covering at least one byte and at most about
     /// `length` bytes (the last extent may run further).
     fn extents(&self, offset: u64, length: u64) -> BackendFuture<'_, Vec<Extent>>;
+    /// Hands out, without blocking, completions the device has posted but nobody has
+    /// collected yet, and returns how many completions were handed out so far, by anyone;
+    /// `None` for a backend whose requests complete without a device to poll. Lets a
+    /// connection that waits on one request poll for its completion instead of sleeping
+    /// (see the pipeline's spin).
+    fn poll_completions(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// How a file or block device export uses the kernel's page cache.

@@ -723,10 +723,18 @@ impl Pipeline {
                     && self.outq.is_empty()
                     && self.discard_left == 0
                     && self.awaiting_payload.is_none();
+                let connections = CONNECTIONS.load(Ordering::Relaxed);
                 if !idle {
+                    let waiting_on_one = self.reading
+                        && self.outq.is_empty()
+                        && self.in_flight.len() == 1
+                        && self.discard_left == 0
+                        && self.awaiting_payload.is_none();
+                    if waiting_on_one && self.spin.wait_for_backend(&*self.backend, connections) {
+                        continue;
+                    }
                     return Poll::Pending;
                 }
-                let connections = CONNECTIONS.load(Ordering::Relaxed);
                 match self
                     .spin
                     .wait(stream.socket_fd(), &mut self.inbuf, connections)
@@ -762,6 +770,8 @@ const SPIN_WORTH: Duration = Duration::from_micros(100);
 static SPINNERS: AtomicUsize = AtomicUsize::new(0);
 /// Connections in the transmission phase, across the server.
 static CONNECTIONS: AtomicUsize = AtomicUsize::new(0);
+/// Longest poll for the completion of the one request a connection waits on.
+const SPIN_IO_MAX: Duration = Duration::from_micros(200);
 /// A spin needs this many single-request busy periods in a row before it.
 const SPIN_AFTER_SINGLES: u32 = 8;
 /// When most spins that caught a request (of [`SPIN_SAMPLE`]) took this long or less, the
@@ -824,6 +834,10 @@ struct IdleSpin {
     caught_short: u32,
     /// Idle periods left before spinning may resume after a pause.
     paused: u32,
+    /// How long to poll the backend for the completion of a lone request.
+    io_window: Duration,
+    /// Waits left before a closed I/O window is tried again.
+    io_retry: u32,
     /// How many connections may spin at once.
     max_spinners: usize,
     /// Receive buffer for the spin (the reactor's read path is not used while spinning).
@@ -843,6 +857,8 @@ impl IdleSpin {
             caught: 0,
             caught_short: 0,
             paused: 0,
+            io_window: SPIN_IO_MAX,
+            io_retry: 0,
             max_spinners: workers / 2,
             scratch: Vec::new(),
         }
@@ -894,6 +910,55 @@ impl IdleSpin {
             }
             if started.elapsed() >= self.window {
                 return SpinOutcome::Sleep;
+            }
+            std::hint::spin_loop();
+        }
+    }
+
+    /// The connection waits on a single request in the backend: in the same pattern that
+    /// qualifies an idle spin, polls the backend's completions for up to the I/O window
+    /// instead of sleeping until the reaper wakes the task; true when some were handed
+    /// out (the caller polls its request again).
+    ///
+    /// An O_DIRECT read or an fdatasync at iodepth 1 otherwise ends in two wake-ups
+    /// before its reply leaves: the reactor's for the ring's eventfd, then the
+    /// connection's. The window narrows after each miss (a device slower than it is not
+    /// worth a CPU) and, once closed, is tried again after [`SPIN_PAUSE`] waits.
+    fn wait_for_backend(&mut self, backend: &dyn Backend, connections: usize) -> bool {
+        if self.io_window.is_zero() {
+            self.io_retry = self.io_retry.saturating_sub(1);
+            if self.io_retry > 0 {
+                return false;
+            }
+            self.io_window = SPIN_START;
+        }
+        let qualifies = self.singles >= SPIN_AFTER_SINGLES
+            && self.paused == 0
+            && connections <= self.max_spinners;
+        if !qualifies {
+            return false;
+        }
+        let Some(_slot) = SpinSlot::take(self.max_spinners) else {
+            return false;
+        };
+        let Some(before) = backend.poll_completions() else {
+            return false;
+        };
+        let started = Instant::now();
+        loop {
+            // A change means a completion was handed out, by this poll or by the reaper;
+            // perhaps another connection's, and then the caller comes back.
+            if backend.poll_completions() != Some(before) {
+                self.io_window = (self.io_window * 2).min(SPIN_IO_MAX);
+                return true;
+            }
+            if started.elapsed() >= self.io_window {
+                self.io_window /= 2;
+                if self.io_window < SPIN_START {
+                    self.io_window = Duration::ZERO;
+                    self.io_retry = SPIN_PAUSE;
+                }
+                return false;
             }
             std::hint::spin_loop();
         }

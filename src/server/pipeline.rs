@@ -18,6 +18,10 @@
 //! way: each 1 MiB piece of the payload is handed to the backend as soon as it has arrived,
 //! and the reply follows the last piece.
 //!
+//! At iodepth 1 a connection with nothing to do spins briefly on its socket (and one that
+//! waits on a single request polls the backend's completions) before its task sleeps: on a
+//! VM the wake-ups cost more than the spin ([`IdleSpin`] says when it is allowed).
+//!
 //! Memory is bounded per connection: at most [`MAX_IN_FLIGHT`] requests, about
 //! [`BYTE_BUDGET`] bytes of payloads and unsent read data, and [`MAX_QUEUED_REPLIES`]
 //! unsent replies; past any of them the socket is not read until replies drain, so a

@@ -479,6 +479,14 @@ mod tests {
         (tmp, Arc::new(file))
     }
 
+    /// A one-thread runtime: its reaper task runs only when the test's task yields.
+    fn current_thread() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
     fn runtime() -> tokio::runtime::Runtime {
         tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -547,10 +555,7 @@ mod tests {
         let (_tmp, file) = scratch_file();
         let ring = Ring::new().unwrap();
         // One thread: the reaper cannot run before this task yields.
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
+        let runtime = current_thread();
         runtime.block_on(async {
             let mut writes: Vec<_> = (0..3u8)
                 .map(|i| {
@@ -603,10 +608,7 @@ mod tests {
         let (_tmp, file) = scratch_file();
         let ring = Ring::new().unwrap();
         for round in 0..3u8 {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
+            let runtime = current_thread();
             runtime.block_on(async {
                 let data = Bytes::from(vec![round; 4096]);
                 ring.write(&file, 0, data, 0).await.unwrap();
@@ -622,10 +624,7 @@ mod tests {
         let (_tmp, file) = scratch_file();
         let ring = Ring::new().unwrap();
         // A current-thread runtime that is never driven: its reaper task cannot run.
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
+        let runtime = current_thread();
         let _entered = runtime.enter();
         let waker = futures_util::task::noop_waker();
         let mut cx = std::task::Context::from_waker(&waker);

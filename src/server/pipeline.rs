@@ -887,10 +887,7 @@ impl IdleSpin {
         if self.paused > 0 {
             self.paused -= 1;
         }
-        let qualifies = self.singles >= SPIN_AFTER_SINGLES
-            && self.paused == 0
-            && !self.window.is_zero()
-            && connections <= self.max_spinners;
+        let qualifies = self.in_pattern(connections) && !self.window.is_zero();
         let Some(fd) = fd.filter(|_| qualifies) else {
             return SpinOutcome::Sleep;
         };
@@ -919,6 +916,12 @@ impl IdleSpin {
         }
     }
 
+    /// Whether the connection is in the pattern a spin pays for: a run of single-request
+    /// busy periods, no pause, and few enough connections on the server.
+    fn in_pattern(&self, connections: usize) -> bool {
+        self.singles >= SPIN_AFTER_SINGLES && self.paused == 0 && connections <= self.max_spinners
+    }
+
     /// The connection waits on a single request in the backend: in the same pattern that
     /// qualifies an idle spin, polls the backend's completions for up to the I/O window
     /// instead of sleeping until the reaper wakes the task; true when some were handed
@@ -936,10 +939,7 @@ impl IdleSpin {
             }
             self.io_window = SPIN_START;
         }
-        let qualifies = self.singles >= SPIN_AFTER_SINGLES
-            && self.paused == 0
-            && connections <= self.max_spinners;
-        if !qualifies {
+        if !self.in_pattern(connections) {
             return false;
         }
         let Some(_slot) = SpinSlot::take(self.max_spinners) else {

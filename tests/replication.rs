@@ -277,6 +277,9 @@ fn after_the_primary_is_killed_under_load_the_promoted_secondary_has_every_ackno
         acknowledged > 100,
         "the workload barely ran: {acknowledged} writes acknowledged"
     );
+    // An operator promotes once the secondary has seen its primary go: until it has read
+    // the end of the connection, it still counts the peer as primary and refuses.
+    wait_for_log("beta", || beta.stderr(), "primary lost", 1);
     let promote = netblk(&["promote", "--node", "beta"], &config);
     assert!(promote.status.success(), "{promote:?}");
     // The promoted node takes writes, then stops cleanly (flushing what it holds).

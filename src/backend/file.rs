@@ -1,7 +1,8 @@
 //! A backend over a regular file or a block device. Reads, writes and syncs go through an
 //! io_uring ([`super::uring`]), except in writeback mode, where writes without FUA are
-//! copied into the page cache on the calling thread and small cached reads are tried there
-//! first. With `--cache=none` the file is opened `O_DIRECT` and requests that do not cover
+//! copied into the page cache on the calling thread, small cached reads are tried there
+//! first, and large cached reads are spliced into the client's socket without a copy
+//! ([`super::splice`]). With `--cache=none` the file is opened `O_DIRECT` and requests that do not cover
 //! whole blocks are read-modify-written under a range lock ([`super::range_lock`]). TRIM
 //! punches holes, WRITE_ZEROES uses `fallocate`, block status comes from
 //! `SEEK_DATA`/`SEEK_HOLE`, FUA writes use `RWF_DSYNC`, and FLUSH syncs only when a write
@@ -30,6 +31,9 @@ use crate::wire::NbdError;
 /// (`RWF_NOWAIT`) on the calling worker: a plain `preadv2` is cheaper than a trip through
 /// the ring when the page is there.
 const NOWAIT_READ_MAX: usize = 64 * 1024;
+/// Reads at least this long, in writeback mode, are sent from the page cache by splicing
+/// when the range is cached ([`super::splice`]) instead of being copied twice.
+const SPLICE_MIN: usize = 64 * 1024;
 /// Reads at least this long ask the file system where its holes are first.
 const HOLE_QUERY_MIN: usize = 64 * 1024;
 /// Chunk used when zeroes must be written out by hand.
@@ -521,6 +525,17 @@ impl Backend for FileBackend {
             let data = blocks.into_bytes().slice(head..head + length);
             Ok(ReadData { data, runs })
         })
+    }
+
+    fn read_to_pipe(&self, offset: u64, length: usize) -> Option<super::splice::Spliced> {
+        // Only cached data can be spliced without blocking, and direct I/O bypasses the
+        // cache. Cached holes read as zeroes and go out as data, which is correct; an
+        // uncached range (holes never read are never cached) takes the copying path,
+        // which reports holes as holes.
+        if self.cache != CacheMode::Writeback || length < SPLICE_MIN {
+            return None;
+        }
+        super::splice::splice_cached(&self.file, offset, length)
     }
 
     fn write(&self, offset: u64, data: Bytes, fua: bool) -> BackendFuture<'_, ()> {

@@ -10,6 +10,7 @@ pub mod file;
 pub mod memory;
 pub mod powercut;
 pub mod range_lock;
+pub mod splice;
 pub mod uring;
 
 use std::future::Future;
@@ -205,6 +206,13 @@ pub trait Backend: Send + Sync + 'static {
     /// connection that waits on one request poll for its completion instead of sleeping
     /// (see the pipeline's spin).
     fn poll_completions(&self) -> Option<u64> {
+        None
+    }
+    /// Puts the `length` bytes at `offset` into a kernel pipe by reference, for a reply that
+    /// the socket takes straight from the pipe (see [`splice`]), when that is possible now
+    /// without blocking; `None` means read with [`Backend::read`] instead. The range is
+    /// within the export and holds no holes the reply must report.
+    fn read_to_pipe(&self, _offset: u64, _length: usize) -> Option<splice::Spliced> {
         None
     }
 }

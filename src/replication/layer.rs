@@ -1006,6 +1006,12 @@ impl Backend for ReplicatedBackend {
         })
     }
 
+    fn read_to_pipe(&self, offset: u64, length: usize) -> Option<crate::backend::splice::Spliced> {
+        // Reads are always local; one that cannot be spliced (or fails) takes `read`,
+        // which heals a read error from a peer.
+        self.shared.local.read_to_pipe(offset, length)
+    }
+
     fn write(&self, offset: u64, data: Bytes, fua: bool) -> BackendFuture<'_, ()> {
         Box::pin(async move {
             let length = data.len() as u64;

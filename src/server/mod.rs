@@ -9,8 +9,10 @@ pub mod pipeline;
 pub mod validate;
 
 use std::future::Future;
+use std::os::fd::BorrowedFd;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -148,17 +150,89 @@ pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static {
     fn socket_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
         None
     }
+
+    /// Whether [`Stream::poll_splice`] can move data from a pipe into this stream.
+    fn can_splice(&self) -> bool {
+        false
+    }
+
+    /// Moves up to `len` bytes from the pipe `pipe` into the socket without copying them
+    /// (`splice(2)`), once the socket has room; returns how many moved.
+    fn poll_splice(
+        &self,
+        _cx: &mut Context<'_>,
+        _pipe: BorrowedFd<'_>,
+        _len: usize,
+    ) -> Poll<std::io::Result<usize>> {
+        Poll::Ready(Err(std::io::ErrorKind::Unsupported.into()))
+    }
+}
+
+/// Splices from `pipe` into a socket registered with tokio, waiting for room the way
+/// tokio's own writes do.
+macro_rules! splice_into_socket {
+    ($socket:expr, $cx:expr, $pipe:expr, $len:expr) => {{
+        let socket = $socket;
+        loop {
+            match socket.poll_write_ready($cx) {
+                Poll::Ready(Ok(())) => {}
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => return Poll::Pending,
+            }
+            let moved = socket.try_io(tokio::io::Interest::WRITABLE, || {
+                rustix::pipe::splice(
+                    $pipe,
+                    None,
+                    socket,
+                    None,
+                    $len,
+                    rustix::pipe::SpliceFlags::NONBLOCK,
+                )
+                .map_err(std::io::Error::from)
+            });
+            match moved {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                other => return Poll::Ready(other),
+            }
+        }
+    }};
 }
 
 impl Stream for tokio::net::TcpStream {
     fn socket_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
         Some(std::os::fd::AsFd::as_fd(self))
     }
+
+    fn can_splice(&self) -> bool {
+        true
+    }
+
+    fn poll_splice(
+        &self,
+        cx: &mut Context<'_>,
+        pipe: BorrowedFd<'_>,
+        len: usize,
+    ) -> Poll<std::io::Result<usize>> {
+        splice_into_socket!(self, cx, pipe, len)
+    }
 }
 
 impl Stream for tokio::net::UnixStream {
     fn socket_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
         Some(std::os::fd::AsFd::as_fd(self))
+    }
+
+    fn can_splice(&self) -> bool {
+        true
+    }
+
+    fn poll_splice(
+        &self,
+        cx: &mut Context<'_>,
+        pipe: BorrowedFd<'_>,
+        len: usize,
+    ) -> Poll<std::io::Result<usize>> {
+        splice_into_socket!(self, cx, pipe, len)
     }
 }
 
@@ -167,6 +241,19 @@ impl Stream for tokio::io::DuplexStream {}
 impl Stream for Box<dyn Stream> {
     fn socket_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
         (**self).socket_fd()
+    }
+
+    fn can_splice(&self) -> bool {
+        (**self).can_splice()
+    }
+
+    fn poll_splice(
+        &self,
+        cx: &mut Context<'_>,
+        pipe: BorrowedFd<'_>,
+        len: usize,
+    ) -> Poll<std::io::Result<usize>> {
+        (**self).poll_splice(cx, pipe, len)
     }
 }
 

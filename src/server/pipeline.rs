@@ -41,13 +41,14 @@ use bytes::{Buf, Bytes, BytesMut};
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use rustix::io::Errno;
 use rustix::net::RecvFlags;
-use tokio::io::{AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::io::{AsyncWriteExt, ReadBuf};
 use tokio::sync::watch;
 use tracing::{debug, warn};
 
 use super::handshake::Negotiated;
 use super::validate::{validate, Command, Limits};
 use super::Stream;
+use crate::backend::splice::Spliced;
 use crate::backend::{Backend, BackendError, ReadData, ZeroFlags};
 use crate::buffer::{Buffer, MIN_POOLED};
 use crate::wire::transmission::{ReplyEncoder, ReplyStyle, RequestHeader, RequestStyle};
@@ -86,12 +87,34 @@ const MAX_IOVECS: usize = 512;
 /// Poll-loop rounds before yielding to other connections on this worker.
 const ROUNDS_BEFORE_YIELD: usize = 64;
 
-/// One reply message: header bytes and optional data after them. When it has been written,
-/// `release` bytes go back to the connection's budget.
+/// One reply message: header bytes and optional data after them, either in memory or in a
+/// pipe that the socket takes it from without a copy (`spliced`). When it has been
+/// written, `release` bytes go back to the connection's budget.
 struct Outgoing {
     header: Vec<u8>,
     data: Option<Bytes>,
+    spliced: Option<Spliced>,
     release: u64,
+}
+
+impl Outgoing {
+    /// A message with its data (if any) in memory.
+    fn new(header: Vec<u8>, data: Option<Bytes>, release: u64) -> Outgoing {
+        Outgoing {
+            header,
+            data,
+            spliced: None,
+            release,
+        }
+    }
+
+    fn data_len(&self) -> usize {
+        match (&self.data, &self.spliced) {
+            (Some(data), _) => data.len(),
+            (None, Some(spliced)) => spliced.len(),
+            (None, None) => 0,
+        }
+    }
 }
 
 type Replies = Vec<Outgoing>;
@@ -132,6 +155,7 @@ pub async fn run<S: Stream>(
         max_merge,
         merging: None,
         spin: IdleSpin::new(),
+        splice: stream.can_splice(),
     };
     let mut stopped = Box::pin(async move {
         let _ = stop.wait_for(|s| *s).await;
@@ -206,6 +230,8 @@ struct Pipeline {
     stop_seen: bool,
     /// Busy-polls the socket for a moment before sleeping (see [`IdleSpin`]).
     spin: IdleSpin,
+    /// The socket takes read data straight from a pipe ([`Backend::read_to_pipe`]).
+    splice: bool,
 }
 
 impl Pipeline {
@@ -244,11 +270,7 @@ impl Pipeline {
             error,
             &format!("request refused: {error}"),
         );
-        self.outq.push_back(Outgoing {
-            header: bytes,
-            data: None,
-            release: 0,
-        });
+        self.outq.push_back(Outgoing::new(bytes, None, 0));
     }
 
     /// Parses and admits every complete request in the buffer that the limits allow.
@@ -425,6 +447,15 @@ impl Pipeline {
         }));
     }
 
+    /// The data of a read put into a pipe for the socket to take without a copy, when the
+    /// socket and the backend can do that now (page-cache data; see `backend::splice`).
+    fn read_to_pipe(&self, offset: u64, length: u32) -> Option<Spliced> {
+        if !self.splice {
+            return None;
+        }
+        self.backend.read_to_pipe(offset, length as usize)
+    }
+
     /// Starts a validated request. A write's payload budget was taken when its header was
     /// parsed; a read's is taken here.
     fn admit(&mut self, header: RequestHeader, command: Command, payload: Option<Bytes>) {
@@ -448,6 +479,12 @@ impl Pipeline {
                     return;
                 }
                 if pieces == 1 {
+                    if let Some(spliced) = self.read_to_pipe(offset, length) {
+                        self.in_flight.push(Box::pin(async move {
+                            vec![spliced_reply(enc, offset, spliced, true, u64::from(length))]
+                        }));
+                        return;
+                    }
                     let part = ReadPart {
                         enc,
                         offset,
@@ -479,8 +516,9 @@ impl Pipeline {
                     let len = (u64::from(length) - start).min(u64::from(STREAM_PIECE)) as u32;
                     let backend = Arc::clone(&backend);
                     let shared = Arc::clone(&shared);
+                    let spliced = self.read_to_pipe(offset + start, len);
                     self.in_flight.push(Box::pin(async move {
-                        read_piece(&*backend, enc, offset + start, len, &shared).await
+                        read_piece(&*backend, enc, offset + start, len, &shared, spliced).await
                     }));
                 }
             }
@@ -555,25 +593,66 @@ impl Pipeline {
         }
     }
 
-    /// Writes queued replies until the socket is full or the queue is empty.
-    fn poll_write<S: AsyncWrite + ?Sized>(
+    /// Writes queued replies until the socket is full or the queue is empty: headers and
+    /// in-memory data gathered into vectored writes, data held in a pipe spliced into the
+    /// socket after its header.
+    fn poll_write<S: Stream + ?Sized>(
         &mut self,
         cx: &mut Context<'_>,
         mut stream: Pin<&mut S>,
     ) -> Poll<std::io::Result<bool>> {
         let mut wrote = false;
-        while !self.outq.is_empty() {
+        while let Some(front) = self.outq.front_mut() {
+            if front.spliced.is_some() && self.front_written >= front.header.len() {
+                let Some(spliced) = front.spliced.as_mut() else {
+                    unreachable!("checked above")
+                };
+                let n = match stream.poll_splice(cx, spliced.fd(), spliced.left()) {
+                    Poll::Ready(Ok(0)) => {
+                        return Poll::Ready(Err(std::io::ErrorKind::WriteZero.into()))
+                    }
+                    Poll::Ready(Ok(n)) => n,
+                    Poll::Ready(Err(e))
+                        if spliced.left() == spliced.len()
+                            && e.raw_os_error().is_some_and(splice_unsupported) =>
+                    {
+                        // This socket cannot take a splice after all: copy this reply's
+                        // data out of the pipe, and copy every later read.
+                        debug!("splice into the socket failed ({e}): copying replies instead");
+                        self.splice = false;
+                        let spliced = front.spliced.take().expect("checked above");
+                        front.data = Some(spliced.drain()?);
+                        continue;
+                    }
+                    Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                    Poll::Pending if wrote => return Poll::Ready(Ok(true)),
+                    Poll::Pending => return Poll::Pending,
+                };
+                spliced.consumed(n);
+                self.consume(n);
+                wrote = true;
+                continue;
+            }
             let mut slices: Vec<IoSlice<'_>> =
                 Vec::with_capacity(self.outq.len().min(MAX_IOVECS / 2) * 2);
             let mut skip = self.front_written;
             for message in &self.outq {
-                for part in [&message.header[..], message.data.as_deref().unwrap_or(&[])] {
-                    if skip >= part.len() {
-                        skip -= part.len();
-                        continue;
-                    }
-                    slices.push(IoSlice::new(&part[skip..]));
+                if skip < message.header.len() {
+                    slices.push(IoSlice::new(&message.header[skip..]));
                     skip = 0;
+                } else {
+                    skip -= message.header.len();
+                }
+                if message.spliced.is_some() {
+                    // Its data follows from the pipe once this header is out.
+                    break;
+                }
+                let data = message.data.as_deref().unwrap_or(&[]);
+                if skip < data.len() {
+                    slices.push(IoSlice::new(&data[skip..]));
+                    skip = 0;
+                } else {
+                    skip -= data.len();
                 }
                 if slices.len() >= MAX_IOVECS - 1 {
                     break;
@@ -606,7 +685,7 @@ impl Pipeline {
     /// Retires `n` written bytes from the front of the queue.
     fn consume(&mut self, mut n: usize) {
         while let Some(front) = self.outq.front() {
-            let len = front.header.len() + front.data.as_ref().map_or(0, |d| d.len());
+            let len = front.header.len() + front.data_len();
             let left = len - self.front_written;
             if n < left {
                 self.front_written += n;
@@ -1054,22 +1133,14 @@ fn status_reply(enc: ReplyEncoder, result: Result<(), BackendError>, release: u6
             enc.error(&mut header, e.errno, &e.to_string());
         }
     }
-    vec![Outgoing {
-        header,
-        data: None,
-        release,
-    }]
+    vec![Outgoing::new(header, None, release)]
 }
 
 fn error_reply(enc: ReplyEncoder, e: &BackendError, release: u64) -> Replies {
     warn!("{e}");
     let mut header = Vec::with_capacity(64);
     enc.error(&mut header, e.errno, &e.to_string());
-    vec![Outgoing {
-        header,
-        data: None,
-        release,
-    }]
+    vec![Outgoing::new(header, None, release)]
 }
 
 /// Content chunks for data read at `offset`; the last is marked done when `done`.
@@ -1084,11 +1155,7 @@ fn content_chunks(
     if read.runs.len() <= 1 && !read.runs.first().is_some_and(|r| r.1) {
         let mut header = Vec::with_capacity(40);
         enc.data_header(&mut header, offset, read.data.len() as u64, done);
-        out.push(Outgoing {
-            header,
-            data: Some(read.data),
-            release,
-        });
+        out.push(Outgoing::new(header, Some(read.data), release));
         return;
     }
     let mut at = 0usize;
@@ -1100,18 +1167,14 @@ fn content_chunks(
         let release = if i == last { release } else { 0 };
         if hole {
             enc.hole(&mut header, chunk_offset, len as u32, done && i == last);
-            out.push(Outgoing {
-                header,
-                data: None,
-                release,
-            });
+            out.push(Outgoing::new(header, None, release));
         } else {
             enc.data_header(&mut header, chunk_offset, len as u64, done && i == last);
-            out.push(Outgoing {
+            out.push(Outgoing::new(
                 header,
-                data: Some(read.data.slice(at..at + len)),
+                Some(read.data.slice(at..at + len)),
                 release,
-            });
+            ));
         }
         at += len;
     }
@@ -1128,11 +1191,7 @@ async fn read_whole(
     if length == 0 {
         let mut header = Vec::with_capacity(32);
         enc.ok(&mut header);
-        return vec![Outgoing {
-            header,
-            data: None,
-            release,
-        }];
+        return vec![Outgoing::new(header, None, release)];
     }
     match backend.read(offset, length as usize).await {
         Ok(read) => read_reply(enc, offset, length, df, Ok(read)),
@@ -1157,11 +1216,7 @@ fn read_reply(
     if enc.style == ReplyStyle::Simple || df {
         let mut header = Vec::with_capacity(40);
         enc.data_header(&mut header, offset, u64::from(length), true);
-        out.push(Outgoing {
-            header,
-            data: Some(read.data),
-            release,
-        });
+        out.push(Outgoing::new(header, Some(read.data), release));
     } else {
         content_chunks(enc, offset, read, true, release, &mut out);
     }
@@ -1200,29 +1255,40 @@ fn write_piece_done(
     status_reply(enc, state.error.take().map_or(Ok(()), Err), release)
 }
 
+/// One piece of a streamed read: its data chunk (from `spliced` when the data is already in
+/// a pipe, else read now), and the final chunk if it is the last piece to finish.
 async fn read_piece(
     backend: &dyn Backend,
     enc: ReplyEncoder,
     offset: u64,
     length: u32,
     shared: &Mutex<StreamedRead>,
+    spliced: Option<Spliced>,
 ) -> Replies {
-    let result = backend.read(offset, length as usize).await;
     let mut out = Vec::with_capacity(2);
+    let result = match spliced {
+        Some(spliced) => {
+            out.push(spliced_reply(
+                enc,
+                offset,
+                spliced,
+                false,
+                u64::from(length),
+            ));
+            Ok(())
+        }
+        None => backend
+            .read(offset, length as usize)
+            .await
+            .map(|read| content_chunks(enc, offset, read, false, u64::from(length), &mut out)),
+    };
     let mut state = shared.lock().unwrap_or_else(|e| e.into_inner());
     state.left -= 1;
     let last = state.left == 0;
-    match result {
-        Ok(read) => content_chunks(enc, offset, read, false, u64::from(length), &mut out),
-        Err(e) => {
-            warn!("{e}");
-            state.error.get_or_insert((e.errno, e.to_string()));
-            out.push(Outgoing {
-                header: Vec::new(),
-                data: None,
-                release: u64::from(length),
-            });
-        }
+    if let Err(e) = result {
+        warn!("{e}");
+        state.error.get_or_insert((e.errno, e.to_string()));
+        out.push(Outgoing::new(Vec::new(), None, u64::from(length)));
     }
     if last {
         let mut header = Vec::with_capacity(64);
@@ -1230,13 +1296,35 @@ async fn read_piece(
             None => enc.ok(&mut header),
             Some((errno, message)) => enc.error(&mut header, *errno, message),
         }
-        out.push(Outgoing {
-            header,
-            data: None,
-            release: 0,
-        });
+        out.push(Outgoing::new(header, None, 0));
     }
     out
+}
+
+/// A data reply (or chunk, marked final when `done`) whose data waits in a pipe.
+fn spliced_reply(
+    enc: ReplyEncoder,
+    offset: u64,
+    spliced: Spliced,
+    done: bool,
+    release: u64,
+) -> Outgoing {
+    let mut header = Vec::with_capacity(40);
+    enc.data_header(&mut header, offset, spliced.len() as u64, done);
+    Outgoing {
+        header,
+        data: None,
+        spliced: Some(spliced),
+        release,
+    }
+}
+
+/// Errors of a splice into a socket that mean it cannot take one at all, as opposed to a
+/// connection that failed.
+fn splice_unsupported(errno: i32) -> bool {
+    [Errno::INVAL, Errno::NOSYS, Errno::OPNOTSUPP]
+        .iter()
+        .any(|e| e.raw_os_error() == errno)
 }
 
 async fn block_status(
@@ -1269,11 +1357,7 @@ async fn block_status(
     }
     let mut header = Vec::with_capacity(40 + 16 * descriptors.len());
     enc.block_status(&mut header, BASE_ALLOCATION_ID, &descriptors, true);
-    vec![Outgoing {
-        header,
-        data: None,
-        release: 0,
-    }]
+    vec![Outgoing::new(header, None, 0)]
 }
 
 #[cfg(test)]
@@ -1428,6 +1512,8 @@ mod tests {
     use std::time::Duration;
 
     use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
+
+    use std::collections::HashMap;
 
     use super::*;
     use crate::backend::memory::MemoryBackend;
@@ -1631,6 +1717,16 @@ mod tests {
 
     /// Negotiates structured replies on `backend`.
     async fn connect_to(backend: Arc<dyn Backend>) -> DuplexStream {
+        let (client, server) = tokio::io::duplex(1 << 20);
+        serve_and_negotiate(backend, client, server).await
+    }
+
+    /// Serves `backend` on `server` and negotiates structured replies from `client`.
+    async fn serve_and_negotiate<C, S>(backend: Arc<dyn Backend>, mut client: C, server: S) -> C
+    where
+        C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+        S: Stream,
+    {
         let export = Arc::new(Export {
             name: String::new(),
             description: String::new(),
@@ -1641,7 +1737,6 @@ mod tests {
             handshake_timeout: Duration::from_secs(5),
             max_merge: crate::server::DEFAULT_MAX_MERGE,
         });
-        let (mut client, server) = tokio::io::duplex(1 << 20);
         let (_stop_tx, stop_rx) = watch::channel(false);
         let (alive_tx, _alive_rx) = tokio::sync::mpsc::channel(1);
         tokio::spawn(async move {
@@ -1679,7 +1774,7 @@ mod tests {
     }
 
     /// Reads one structured reply chunk: its flags, type, cookie and payload.
-    async fn read_chunk(client: &mut DuplexStream) -> (u16, u16, u64, Vec<u8>) {
+    async fn read_chunk(client: &mut (impl AsyncReadExt + Unpin)) -> (u16, u16, u64, Vec<u8>) {
         let header = read_exactly(client, 20).await;
         let Some((
             DecodedReply::Chunk {
@@ -1698,7 +1793,7 @@ mod tests {
         (flags, kind, cookie, payload)
     }
 
-    async fn read_exactly(client: &mut DuplexStream, n: usize) -> Vec<u8> {
+    async fn read_exactly(client: &mut (impl AsyncReadExt + Unpin), n: usize) -> Vec<u8> {
         let mut data = vec![0u8; n];
         client.read_exact(&mut data).await.unwrap();
         data
@@ -1749,6 +1844,141 @@ mod tests {
         assert_eq!(chunks, 4, "the read left as one chunk per piece");
         assert_eq!(covered, len);
         assert_eq!(assembled, pattern);
+    }
+
+    /// A file export that counts the reads its pages were spliced for.
+    struct CountingSplices {
+        inner: crate::backend::file::FileBackend,
+        spliced: std::sync::atomic::AtomicUsize,
+    }
+
+    impl Backend for CountingSplices {
+        fn size(&self) -> u64 {
+            self.inner.size()
+        }
+        fn capabilities(&self) -> crate::backend::Capabilities {
+            self.inner.capabilities()
+        }
+        fn read(&self, offset: u64, length: usize) -> crate::backend::BackendFuture<'_, ReadData> {
+            self.inner.read(offset, length)
+        }
+        fn read_to_pipe(&self, offset: u64, length: usize) -> Option<Spliced> {
+            let spliced = self.inner.read_to_pipe(offset, length)?;
+            self.spliced
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Some(spliced)
+        }
+        fn write(
+            &self,
+            offset: u64,
+            data: Bytes,
+            fua: bool,
+        ) -> crate::backend::BackendFuture<'_, ()> {
+            self.inner.write(offset, data, fua)
+        }
+        fn flush(&self) -> crate::backend::BackendFuture<'_, ()> {
+            self.inner.flush()
+        }
+        fn trim(
+            &self,
+            offset: u64,
+            length: u64,
+            fua: bool,
+        ) -> crate::backend::BackendFuture<'_, ()> {
+            self.inner.trim(offset, length, fua)
+        }
+        fn write_zeroes(
+            &self,
+            offset: u64,
+            length: u64,
+            flags: ZeroFlags,
+        ) -> crate::backend::BackendFuture<'_, ()> {
+            self.inner.write_zeroes(offset, length, flags)
+        }
+        fn cache(&self, offset: u64, length: u64) -> crate::backend::BackendFuture<'_, ()> {
+            self.inner.cache(offset, length)
+        }
+        fn extents(
+            &self,
+            offset: u64,
+            length: u64,
+        ) -> crate::backend::BackendFuture<'_, Vec<crate::backend::Extent>> {
+            self.inner.extents(offset, length)
+        }
+    }
+
+    /// Reads of cached file data over a real socket leave through a pipe: a whole read, a
+    /// streamed one, several in flight at once, and a simple reply; every byte matches,
+    /// and small reads are still copied.
+    #[tokio::test]
+    async fn cached_file_reads_are_spliced_into_the_socket_byte_for_byte() {
+        use std::io::Write as _;
+        let len = 8 << 20;
+        let pattern: Vec<u8> = (0..len).map(|i| (i * 13 % 251) as u8).collect();
+        let mut tmp = tempfile::NamedTempFile::new().unwrap();
+        tmp.write_all(&pattern).unwrap();
+        let file = crate::backend::file::FileBackend::open(tmp.path(), None, false, None).unwrap();
+        let backend = Arc::new(CountingSplices {
+            inner: file,
+            spliced: Default::default(),
+        });
+        let (client, server) = tokio::net::UnixStream::pair().unwrap();
+        let mut client = serve_and_negotiate(backend.clone(), client, server).await;
+        // (cookie, offset, length): whole reads, one streamed over four pieces, and a small
+        // read that is copied; all sent before any reply is read.
+        let reads = [
+            (1u64, 0u64, 200_000u64),
+            (2, 300_001, 3 * u64::from(STREAM_PIECE) + 4097),
+            (3, 5 << 20, 65536),
+            (4, 7 << 20, 4096),
+            (5, (8 << 20) - 131_072, 131_072),
+        ];
+        for &(cookie, offset, length) in &reads {
+            client
+                .write_all(&request(cmd::READ, 0, cookie, offset, length))
+                .await
+                .unwrap();
+        }
+        let mut assembled: HashMap<u64, (Vec<u8>, usize)> = reads
+            .iter()
+            .map(|&(c, _, l)| (c, (vec![0u8; l as usize], 0)))
+            .collect();
+        let mut finished = 0;
+        while finished < reads.len() {
+            let (flags, kind, cookie, payload) = read_chunk(&mut client).await;
+            let &(_, offset, _) = reads.iter().find(|r| r.0 == cookie).unwrap();
+            if kind == reply::TYPE_OFFSET_DATA {
+                let at = u64::from_be_bytes(payload[..8].try_into().unwrap()) - offset;
+                let (buf, covered) = assembled.get_mut(&cookie).unwrap();
+                buf[at as usize..at as usize + payload.len() - 8].copy_from_slice(&payload[8..]);
+                *covered += payload.len() - 8;
+            } else {
+                assert_eq!(kind, reply::TYPE_NONE, "cookie {cookie}");
+            }
+            if flags & reply::FLAG_DONE != 0 {
+                finished += 1;
+            }
+        }
+        for &(cookie, offset, length) in &reads {
+            let (buf, covered) = &assembled[&cookie];
+            assert_eq!(*covered as u64, length, "cookie {cookie}");
+            assert!(
+                buf[..] == pattern[offset as usize..(offset + length) as usize],
+                "cookie {cookie}: wrong bytes"
+            );
+        }
+        let spliced = backend.spliced.load(std::sync::atomic::Ordering::SeqCst);
+        if crate::backend::splice::splice_cached(
+            &std::fs::File::open(tmp.path()).unwrap(),
+            0,
+            65536,
+        )
+        .is_some()
+        {
+            // 1 + 3 of the 4 pieces + 1 + 1: the streamed read's last piece (4097 bytes)
+            // and the 4 KiB read are too small to be worth a pipe, and are copied.
+            assert_eq!(spliced, 6, "reads that went through a pipe");
+        }
     }
 
     #[tokio::test]

@@ -523,7 +523,10 @@ impl Backend for FileBackend {
                 .await?;
             let head = (offset - start) as usize;
             let data = blocks.into_bytes().slice(head..head + length);
-            Ok(ReadData { data, runs })
+            Ok(ReadData {
+                data: data.into(),
+                runs,
+            })
         })
     }
 
@@ -733,9 +736,9 @@ mod tests {
                     .unwrap();
                 b.write(0, Bytes::from(vec![1u8; 512]), true).await.unwrap();
                 let r = b.read(0, 2 << 20).await.unwrap();
-                assert!(r.data[..512].iter().all(|&x| x == 1), "{mode}");
-                assert!(r.data[512..4096].iter().all(|&x| x == 0), "{mode}");
-                assert!(r.data[4096..4096 + (1 << 20)].iter().all(|&x| x == 9));
+                assert!(r.bytes()[..512].iter().all(|&x| x == 1), "{mode}");
+                assert!(r.bytes()[512..4096].iter().all(|&x| x == 0), "{mode}");
+                assert!(r.bytes()[4096..4096 + (1 << 20)].iter().all(|&x| x == 9));
                 assert_eq!(r.runs.iter().map(|r| r.0).sum::<usize>(), 2 << 20);
                 b.trim(1 << 20, 1 << 20, false).await.unwrap();
                 let zero = ZeroFlags {
@@ -745,9 +748,9 @@ mod tests {
                 };
                 b.write_zeroes(4096, 4096, zero).await.unwrap();
                 let r = b.read(0, 2 << 20).await.unwrap();
-                assert!(r.data[4096..8192].iter().all(|&x| x == 0), "{mode}");
-                assert!(r.data[8192..1 << 20].iter().all(|&x| x == 9), "{mode}");
-                assert!(r.data[1 << 20..].iter().all(|&x| x == 0), "{mode}");
+                assert!(r.bytes()[4096..8192].iter().all(|&x| x == 0), "{mode}");
+                assert!(r.bytes()[8192..1 << 20].iter().all(|&x| x == 9), "{mode}");
+                assert!(r.bytes()[1 << 20..].iter().all(|&x| x == 0), "{mode}");
                 let extents = b.extents(0, 4 << 20).await.unwrap();
                 assert_eq!(extents.iter().map(|e| e.length).sum::<u64>(), 4 << 20);
                 assert!(extents.last().unwrap().hole);
@@ -781,11 +784,11 @@ mod tests {
             }
             let r = b.read(0, 1 << 20).await.unwrap();
             assert!(
-                r.data[..] == model[..],
+                r.bytes()[..] == model[..],
                 "an unaligned write damaged its neighbours"
             );
             let r = b.read(3, 5000).await.unwrap();
-            assert_eq!(&r.data[..], &model[3..5003]);
+            assert_eq!(&r.bytes()[..], &model[3..5003]);
             // Many small unaligned writes into the same blocks at once, each to its own
             // bytes: a read-modify-write that raced another would lose some of them.
             let tasks: Vec<_> = (0..256u64)
@@ -806,7 +809,7 @@ mod tests {
             }
             let r = b.read(0, 1 << 20).await.unwrap();
             assert!(
-                r.data[..] == model[..],
+                r.bytes()[..] == model[..],
                 "concurrent partial writes lost data"
             );
             b.flush().await.unwrap();
@@ -828,12 +831,14 @@ mod tests {
                 .await
                 .unwrap();
             assert_eq!(
-                &b.read(8192, 4096).await.unwrap().data[..],
+                &b.read(8192, 4096).await.unwrap().bytes()[..],
                 &[6u8; 4096][..]
             );
             let big = b.read(0, 1 << 20).await.unwrap();
-            assert!(big.data[65536..65536 + 512 * 1024].iter().all(|&x| x == 2));
-            assert!(big.data[8192..12288].iter().all(|&x| x == 6));
+            assert!(big.bytes()[65536..65536 + 512 * 1024]
+                .iter()
+                .all(|&x| x == 2));
+            assert!(big.bytes()[8192..12288].iter().all(|&x| x == 6));
         });
     }
 

@@ -1,19 +1,51 @@
 //! A sparse in-memory backend: pages are allocated on first write and released by TRIM
 //! and WRITE_ZEROES; page tables are sharded so concurrent requests rarely share a lock.
+//!
+//! Reads are not copied: a read hands out its pages by reference (one piece per page, see
+//! [`super::Pieces`]), and the socket copies them straight from here. A write to a page
+//! that a read still holds copies the page first (copy on write), so data handed out never
+//! changes under the reader. Measured reason: copying into a read buffer was a quarter of
+//! the server's CPU on 1 MiB reads (`memmove`, 23% of samples) and 6% on 4 KiB reads.
 
 use std::collections::HashMap;
-use std::sync::RwLock;
+use std::sync::{Arc, RwLock};
 
 use bytes::Bytes;
 
 use super::{Backend, BackendFuture, Capabilities, Extent, ReadData, ZeroFlags};
-use crate::buffer::Buffer;
 
 /// Bytes per page: the allocation and hole granularity.
 pub const PAGE_SIZE: u64 = 64 * 1024;
 const SHARDS: u64 = 64;
 
-type Page = Box<[u8]>;
+/// A page, shared with the reads that hold it; writable in place only when nobody else does.
+type Page = Arc<[u8]>;
+
+/// What unwritten memory reads as.
+static ZERO_PAGE: [u8; PAGE_SIZE as usize] = [0; PAGE_SIZE as usize];
+
+/// A page held by a read's bytes.
+struct PageRef(Page);
+
+impl AsRef<[u8]> for PageRef {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+/// A new page of zeroes.
+fn zero_page() -> Page {
+    Arc::from(&ZERO_PAGE[..])
+}
+
+/// The page's bytes to write into: in place when no read holds it, else a copy that
+/// replaces it in the table (the reads keep the old one).
+fn writable(page: &mut Page) -> &mut [u8] {
+    if Arc::get_mut(page).is_none() {
+        *page = Arc::from(&page[..]);
+    }
+    Arc::get_mut(page).expect("a page just copied has no other holder")
+}
 
 /// Sparse memory export.
 pub struct MemoryBackend {
@@ -50,19 +82,23 @@ impl MemoryBackend {
     }
 
     fn read_now(&self, offset: u64, length: usize) -> ReadData {
-        // A pooled buffer holds old data: every byte below is either copied or zeroed.
-        let mut buffer = Buffer::take(length);
-        let data = buffer.as_mut();
+        let mut pieces = Vec::with_capacity(length.div_ceil(PAGE_SIZE as usize) + 1);
         let mut runs: Vec<(usize, bool)> = Vec::new();
-        Self::for_each_piece(offset, length as u64, |page, in_page, at, len| {
-            let shard = self.shard(page).read().unwrap_or_else(|e| e.into_inner());
-            let hole = match shard.get(&page) {
-                Some(bytes) => {
-                    data[at..at + len].copy_from_slice(&bytes[in_page..in_page + len]);
+        Self::for_each_piece(offset, length as u64, |page, in_page, _, len| {
+            let held = self
+                .shard(page)
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&page)
+                .map(Arc::clone);
+            let hole = match held {
+                Some(page) => {
+                    let bytes = Bytes::from_owner(PageRef(page));
+                    pieces.push(bytes.slice(in_page..in_page + len));
                     false
                 }
                 None => {
-                    data[at..at + len].fill(0);
+                    pieces.push(Bytes::from_static(&ZERO_PAGE[..len]));
                     true
                 }
             };
@@ -72,7 +108,7 @@ impl MemoryBackend {
             }
         });
         ReadData {
-            data: buffer.into_bytes(),
+            data: pieces.into(),
             runs,
         }
     }
@@ -80,9 +116,7 @@ impl MemoryBackend {
     fn write_now(&self, offset: u64, data: &[u8]) {
         Self::for_each_piece(offset, data.len() as u64, |page, in_page, at, len| {
             let mut shard = self.shard(page).write().unwrap_or_else(|e| e.into_inner());
-            let bytes = shard
-                .entry(page)
-                .or_insert_with(|| vec![0u8; PAGE_SIZE as usize].into_boxed_slice());
+            let bytes = writable(shard.entry(page).or_insert_with(zero_page));
             bytes[in_page..in_page + len].copy_from_slice(&data[at..at + len]);
         });
     }
@@ -96,9 +130,9 @@ impl MemoryBackend {
             if punch && len as u64 == PAGE_SIZE {
                 shard.remove(&page);
             } else if let Some(bytes) = shard.get_mut(&page) {
-                bytes[in_page..in_page + len].fill(0);
+                writable(bytes)[in_page..in_page + len].fill(0);
             } else if !punch {
-                shard.insert(page, vec![0u8; PAGE_SIZE as usize].into_boxed_slice());
+                shard.insert(page, zero_page());
             }
         });
     }
@@ -207,7 +241,7 @@ mod tests {
     fn unwritten_memory_reads_as_a_hole_of_zeroes() {
         let m = MemoryBackend::new(1 << 20, false);
         let r = block_on(m.read(1000, 5000)).unwrap();
-        assert!(r.data.iter().all(|&b| b == 0));
+        assert!(r.bytes().iter().all(|&b| b == 0));
         assert_eq!(r.runs, vec![(5000, true)]);
     }
 
@@ -217,7 +251,7 @@ mod tests {
         let data: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
         block_on(m.write(PAGE_SIZE - 7, Bytes::from(data.clone()), false)).unwrap();
         let r = block_on(m.read(PAGE_SIZE - 7, data.len())).unwrap();
-        assert_eq!(&r.data[..], &data[..]);
+        assert_eq!(&r.bytes()[..], &data[..]);
         assert!(r.runs.iter().all(|&(_, hole)| !hole));
         // Pages 0..=4 were touched; page 5 is still a hole.
         let ext = block_on(m.extents(0, 6 * PAGE_SIZE)).unwrap();
@@ -239,6 +273,42 @@ mod tests {
     }
 
     #[test]
+    fn a_read_keeps_what_it_saw_while_later_writes_change_the_page() {
+        let m = MemoryBackend::new(4 * PAGE_SIZE, false);
+        block_on(m.write(0, Bytes::from(vec![1u8; 2 * PAGE_SIZE as usize]), false)).unwrap();
+        let held = block_on(m.read(100, PAGE_SIZE as usize)).unwrap();
+        assert_eq!(
+            held.data.as_slice().len(),
+            2,
+            "a piece per page, by reference"
+        );
+        // A write into a held page copies it; a partial zeroing of the other page too.
+        block_on(m.write(200, Bytes::from(vec![2u8; 300]), false)).unwrap();
+        let partial = ZeroFlags {
+            may_trim: true,
+            ..ZeroFlags::default()
+        };
+        block_on(m.write_zeroes(PAGE_SIZE, 50, partial)).unwrap();
+        assert!(
+            held.bytes().iter().all(|&b| b == 1),
+            "the read saw the old data"
+        );
+        let now = block_on(m.read(0, 2 * PAGE_SIZE as usize)).unwrap().bytes();
+        assert!(now[..200].iter().all(|&b| b == 1));
+        assert!(now[200..500].iter().all(|&b| b == 2));
+        assert!(now[500..PAGE_SIZE as usize].iter().all(|&b| b == 1));
+        assert!(now[PAGE_SIZE as usize..PAGE_SIZE as usize + 50]
+            .iter()
+            .all(|&b| b == 0));
+        assert!(now[PAGE_SIZE as usize + 50..].iter().all(|&b| b == 1));
+        // Once the read is gone, a write goes into the page in place.
+        drop(held);
+        let before = Arc::as_ptr(&m.shard(0).read().unwrap()[&0]);
+        block_on(m.write(0, Bytes::from(vec![3u8; 10]), false)).unwrap();
+        assert_eq!(Arc::as_ptr(&m.shard(0).read().unwrap()[&0]), before);
+    }
+
+    #[test]
     fn zeroing_with_no_hole_leaves_the_range_allocated() {
         let m = MemoryBackend::new(4 * PAGE_SIZE, false);
         block_on(m.write(0, Bytes::from(vec![5u8; PAGE_SIZE as usize]), false)).unwrap();
@@ -249,7 +319,7 @@ mod tests {
         };
         block_on(m.write_zeroes(0, 3 * PAGE_SIZE, keep)).unwrap();
         let r = block_on(m.read(0, 3 * PAGE_SIZE as usize)).unwrap();
-        assert!(r.data.iter().all(|&b| b == 0));
+        assert!(r.bytes().iter().all(|&b| b == 0));
         assert_eq!(r.runs, vec![(3 * PAGE_SIZE as usize, false)], "no holes");
         let ext = block_on(m.extents(0, 4 * PAGE_SIZE)).unwrap();
         assert_eq!(
@@ -279,13 +349,10 @@ mod tests {
         ))
         .unwrap();
         let r = block_on(m.read(0, 4 * PAGE_SIZE as usize)).unwrap();
-        assert!(r.data[..100].iter().all(|&b| b == 7));
-        assert!(r.data[100..100 + 2 * PAGE_SIZE as usize]
-            .iter()
-            .all(|&b| b == 0));
-        assert!(r.data[100 + 2 * PAGE_SIZE as usize..]
-            .iter()
-            .all(|&b| b == 7));
+        let r = r.bytes();
+        assert!(r[..100].iter().all(|&b| b == 7));
+        assert!(r[100..100 + 2 * PAGE_SIZE as usize].iter().all(|&b| b == 0));
+        assert!(r[100 + 2 * PAGE_SIZE as usize..].iter().all(|&b| b == 7));
         let ext = block_on(m.extents(0, 4 * PAGE_SIZE)).unwrap();
         assert_eq!(
             ext,

@@ -132,11 +132,100 @@ impl Extent {
     }
 }
 
+/// Bytes held in one or more buffers back to back: a backend can hand out its own storage
+/// by reference (the memory backend gives a read one piece per page) instead of copying it
+/// into one buffer.
+#[derive(Debug, Clone)]
+pub enum Pieces {
+    One(Bytes),
+    Many(Vec<Bytes>),
+}
+
+impl Pieces {
+    /// The buffers, in order.
+    pub fn as_slice(&self) -> &[Bytes] {
+        match self {
+            Pieces::One(one) => std::slice::from_ref(one),
+            Pieces::Many(many) => many,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Pieces::One(one) => one.len(),
+            Pieces::Many(many) => many.iter().map(Bytes::len).sum(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The bytes in one buffer: free for one piece, a copy for several.
+    pub fn to_bytes(&self) -> Bytes {
+        match self {
+            Pieces::One(one) => one.clone(),
+            Pieces::Many(many) => {
+                let mut all = Vec::with_capacity(self.len());
+                for piece in many {
+                    all.extend_from_slice(piece);
+                }
+                all.into()
+            }
+        }
+    }
+
+    /// The bytes `[start, start + length)`, sharing the buffers.
+    pub fn slice(&self, start: usize, length: usize) -> Pieces {
+        let end = start + length;
+        let mut out = Vec::new();
+        let mut at = 0usize;
+        for piece in self.as_slice() {
+            let (from, to) = (at.max(start), (at + piece.len()).min(end));
+            if from < to {
+                out.push(piece.slice(from - at..to - at));
+            }
+            at += piece.len();
+        }
+        Pieces::from(out)
+    }
+}
+
+impl From<Bytes> for Pieces {
+    fn from(bytes: Bytes) -> Pieces {
+        Pieces::One(bytes)
+    }
+}
+
+impl From<Vec<Bytes>> for Pieces {
+    fn from(mut pieces: Vec<Bytes>) -> Pieces {
+        match pieces.len() {
+            0 => Pieces::One(Bytes::new()),
+            1 => Pieces::One(pieces.pop().expect("one piece")),
+            _ => Pieces::Many(pieces),
+        }
+    }
+}
+
+/// Equal when they hold the same bytes, however they are split.
+impl PartialEq for Pieces {
+    fn eq(&self, other: &Pieces) -> bool {
+        self.len() == other.len()
+            && self
+                .as_slice()
+                .iter()
+                .flat_map(|p| p.iter())
+                .eq(other.as_slice().iter().flat_map(|p| p.iter()))
+    }
+}
+
+impl Eq for Pieces {}
+
 /// Data returned by a read: the bytes, and which runs of them are holes (zeroes the
 /// backend did not have to store), so structured replies can send `OFFSET_HOLE` for them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReadData {
-    pub data: Bytes,
+    pub data: Pieces,
     /// Consecutive runs covering `data`: (length, is_hole).
     pub runs: Vec<(usize, bool)>,
 }
@@ -155,18 +244,24 @@ impl ReadData {
             at += len;
         }
         ReadData {
-            data: self.data.slice(start..end),
+            data: self.data.slice(start, length),
             runs,
         }
     }
 
     /// Data with no holes.
-    pub fn dense(data: Bytes) -> ReadData {
+    pub fn dense(data: impl Into<Pieces>) -> ReadData {
+        let data = data.into();
         let len = data.len();
         ReadData {
             data,
             runs: vec![(len, false)],
         }
+    }
+
+    /// All the bytes in one buffer (a copy when the backend gave several).
+    pub fn bytes(&self) -> Bytes {
+        self.data.to_bytes()
     }
 }
 
@@ -320,15 +415,34 @@ mod tests {
     #[test]
     fn read_data_slices_keep_their_runs() {
         let whole = ReadData {
-            data: Bytes::from((0..100u8).collect::<Vec<_>>()),
+            data: Bytes::from((0..100u8).collect::<Vec<_>>()).into(),
             runs: vec![(10, false), (30, true), (60, false)],
         };
         let part = whole.slice(5, 40);
-        assert_eq!(part.data[0], 5);
+        assert_eq!(part.bytes()[0], 5);
         assert_eq!(part.data.len(), 40);
         assert_eq!(part.runs, vec![(5, false), (30, true), (5, false)]);
         assert_eq!(whole.slice(12, 5).runs, vec![(5, true)]);
         assert_eq!(whole.slice(0, 100), whole);
+    }
+
+    #[test]
+    fn pieces_slice_across_their_buffers_and_compare_by_content() {
+        let all: Vec<u8> = (0..=255u8).collect();
+        let split = Pieces::from(vec![
+            Bytes::copy_from_slice(&all[..100]),
+            Bytes::copy_from_slice(&all[100..101]),
+            Bytes::copy_from_slice(&all[101..]),
+        ]);
+        assert_eq!(split.len(), 256);
+        assert_eq!(split, Pieces::from(Bytes::from(all.clone())));
+        for (start, len) in [(0, 256), (0, 100), (99, 3), (100, 1), (150, 0), (101, 155)] {
+            let part = split.slice(start, len);
+            assert_eq!(part.len(), len);
+            assert_eq!(&part.to_bytes()[..], &all[start..start + len]);
+        }
+        assert_eq!(split.slice(99, 3).as_slice().len(), 3, "shares the buffers");
+        assert_eq!(split.slice(10, 5).as_slice().len(), 1);
     }
 
     #[test]

@@ -205,7 +205,7 @@ impl Backend for PowerCut {
             if covering.is_empty() {
                 return Ok(below);
             }
-            let mut data = BytesMut::from(&below.data[..]);
+            let mut data = BytesMut::from(&below.bytes()[..]);
             for change in covering {
                 let from = change.offset.max(offset);
                 let to = change.end().min(end);
@@ -308,7 +308,7 @@ mod tests {
     }
 
     async fn media_byte(media: &MemoryBackend, at: u64) -> u8 {
-        media.read(at, 1).await.unwrap().data[0]
+        media.read(at, 1).await.unwrap().bytes()[0]
     }
 
     #[test]
@@ -319,7 +319,10 @@ mod tests {
                 .write(0, Bytes::from(vec![1u8; 4096]), false)
                 .await
                 .unwrap();
-            assert_eq!(layer.read(0, 4096).await.unwrap().data[..], [1u8; 4096][..]);
+            assert_eq!(
+                layer.read(0, 4096).await.unwrap().bytes()[..],
+                [1u8; 4096][..]
+            );
             assert_eq!(
                 media_byte(&media, 0).await,
                 0,
@@ -394,7 +397,7 @@ mod tests {
                     .await
                     .unwrap();
                 layer.cut(seed).await.unwrap();
-                let data = media.read(0, 4096).await.unwrap().data;
+                let data = media.read(0, 4096).await.unwrap().bytes();
                 // The FUA bytes always survive; the rest of the older write may or may not.
                 assert!(data[1024..2048].iter().all(|&b| b == 2), "seed {seed}");
                 assert!(data[..1024].iter().all(|&b| b == data[0]));
@@ -418,7 +421,7 @@ mod tests {
                 fua: false,
             };
             layer.write_zeroes(4000, 200, flags).await.unwrap();
-            let data = layer.read(0, 8192).await.unwrap().data;
+            let data = layer.read(0, 8192).await.unwrap().bytes();
             assert!(data[..100].iter().all(|&b| b == 0));
             assert!(data[100..4000].iter().all(|&b| b == 5));
             assert!(data[4000..4200].iter().all(|&b| b == 0));

@@ -817,7 +817,7 @@ impl Shared {
             .read(offset, length as usize)
             .await
             .map_err(|e| format!("resync read: {e}"))?
-            .data;
+            .bytes();
         let id = self.request_id();
         let reply = conn.request(
             WaitKey::Request(id),

@@ -739,7 +739,7 @@ async fn handle<'a>(
                     Ok(read) => Message::ReadReply {
                         id,
                         status: 0,
-                        data: read.data,
+                        data: read.bytes(),
                     },
                     Err(e) => Message::ReadReply {
                         id,
@@ -764,7 +764,7 @@ async fn handle<'a>(
                     return Ok(Message::ResyncReply { id, status });
                 }
                 let need = match local.read(offset, length as usize).await {
-                    Ok(read) => piece_checksums(&read.data, piece as usize)
+                    Ok(read) => piece_checksums(&read.bytes(), piece as usize)
                         .iter()
                         .zip(&checksums)
                         .enumerate()
@@ -805,7 +805,7 @@ async fn handle<'a>(
                     Ok(read) => Message::ChecksumReply {
                         id,
                         status: 0,
-                        checksum: crc32c::crc32c(&read.data),
+                        checksum: crc32c::crc32c(&read.bytes()),
                     },
                     Err(e) => Message::ChecksumReply {
                         id,

@@ -203,14 +203,14 @@ async fn every_protocol_delivers_writes_trims_and_zeroes_by_the_next_flush() {
             .read(0, SIZE as usize)
             .await
             .unwrap()
-            .data;
+            .bytes();
         let theirs = pair
             .secondary
             .local
             .read(0, SIZE as usize)
             .await
             .unwrap()
-            .data;
+            .bytes();
         assert!(mine == theirs, "protocol {protocol}: replicas differ");
         assert_eq!(
             pair.primary.status().out_of_sync_bytes,
@@ -236,9 +236,9 @@ async fn a_local_read_error_is_served_by_the_peer_and_rewritten_locally() {
     bad.bad.store(true, Ordering::Release);
     assert!(bad.read(0, 4096).await.is_err(), "the fault is in place");
     let read = backend.read(0, 65536).await.unwrap();
-    assert_eq!(read.data, data, "served from the peer");
+    assert_eq!(read.bytes(), data, "served from the peer");
     let local = bad.read(0, 65536).await.expect("rewritten locally");
-    assert_eq!(local.data, data);
+    assert_eq!(local.bytes(), data);
     let _ = pair.stop.send(true);
 }
 
@@ -296,9 +296,14 @@ async fn three_nodes_all_hold_every_write_and_secondaries_link_idle() {
         .read(0, SIZE as usize)
         .await
         .unwrap()
-        .data;
+        .bytes();
     for secondary in &trio.secondaries {
-        let theirs = secondary.local.read(0, SIZE as usize).await.unwrap().data;
+        let theirs = secondary
+            .local
+            .read(0, SIZE as usize)
+            .await
+            .unwrap()
+            .bytes();
         assert!(
             mine == theirs,
             "{} differs from the primary",
@@ -341,14 +346,14 @@ async fn the_first_full_resync_sends_only_differing_regions_at_the_configured_ra
         .read(0, SIZE as usize)
         .await
         .unwrap()
-        .data;
+        .bytes();
     let theirs = pair
         .secondary
         .local
         .read(0, SIZE as usize)
         .await
         .unwrap()
-        .data;
+        .bytes();
     assert!(mine == theirs, "the full resync left differences");
     let status = pair.primary.status();
     assert_eq!(status.peers[0].resync_total_bytes, SIZE);
@@ -382,14 +387,14 @@ async fn a_resync_run_sends_only_its_regions_that_differ() {
         .read(0, SIZE as usize)
         .await
         .unwrap()
-        .data;
+        .bytes();
     let theirs = pair
         .secondary
         .local
         .read(0, SIZE as usize)
         .await
         .unwrap()
-        .data;
+        .bytes();
     assert!(mine == theirs, "the resync left differences");
     let status = pair.primary.status();
     assert_eq!(status.peers[0].resync_total_bytes, SIZE);
@@ -465,7 +470,13 @@ async fn the_layer_also_runs_on_a_current_thread_runtime() {
         .await
         .unwrap();
     backend.flush().await.unwrap();
-    let theirs = pair.secondary.local.read(5 << 20, 8192).await.unwrap().data;
+    let theirs = pair
+        .secondary
+        .local
+        .read(5 << 20, 8192)
+        .await
+        .unwrap()
+        .bytes();
     assert_eq!(theirs, pattern(6, 8192));
     let _ = pair.stop.send(true);
 }
@@ -615,8 +626,8 @@ async fn after_a_failover_a_write_only_one_secondary_got_is_resynced_to_the_othe
             gamma.status()
         )
     });
-    let theirs = gamma.local.read(offset, 65536).await.unwrap().data;
-    let mine = beta.local.read(offset, 65536).await.unwrap().data;
+    let theirs = gamma.local.read(offset, 65536).await.unwrap().bytes();
+    let mine = beta.local.read(offset, 65536).await.unwrap().bytes();
     assert!(
         mine == theirs,
         "gamma differs from beta where only beta had the write"

@@ -49,7 +49,7 @@ use super::handshake::Negotiated;
 use super::validate::{validate, Command, Limits};
 use super::Stream;
 use crate::backend::splice::Spliced;
-use crate::backend::{Backend, BackendError, ReadData, ZeroFlags};
+use crate::backend::{Backend, BackendError, Pieces, ReadData, ZeroFlags};
 use crate::buffer::{Buffer, MIN_POOLED};
 use crate::wire::transmission::{ReplyEncoder, ReplyStyle, RequestHeader, RequestStyle};
 use crate::wire::{cmd, NbdError, BASE_ALLOCATION_ID, MAX_PAYLOAD};
@@ -92,14 +92,14 @@ const ROUNDS_BEFORE_YIELD: usize = 64;
 /// written, `release` bytes go back to the connection's budget.
 struct Outgoing {
     header: Vec<u8>,
-    data: Option<Bytes>,
+    data: Option<Pieces>,
     spliced: Option<Spliced>,
     release: u64,
 }
 
 impl Outgoing {
     /// A message with its data (if any) in memory.
-    fn new(header: Vec<u8>, data: Option<Bytes>, release: u64) -> Outgoing {
+    fn new(header: Vec<u8>, data: Option<Pieces>, release: u64) -> Outgoing {
         Outgoing {
             header,
             data,
@@ -621,7 +621,7 @@ impl Pipeline {
                         debug!("splice into the socket failed ({e}): copying replies instead");
                         self.splice = false;
                         let spliced = front.spliced.take().expect("checked above");
-                        front.data = Some(spliced.drain()?);
+                        front.data = Some(spliced.drain()?.into());
                         continue;
                     }
                     Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
@@ -636,25 +636,27 @@ impl Pipeline {
             let mut slices: Vec<IoSlice<'_>> =
                 Vec::with_capacity(self.outq.len().min(MAX_IOVECS / 2) * 2);
             let mut skip = self.front_written;
-            for message in &self.outq {
-                if skip < message.header.len() {
-                    slices.push(IoSlice::new(&message.header[skip..]));
+            // Headers and data pieces in order, as many as one `writev` takes; a message
+            // whose data waits in a pipe ends the batch after its header.
+            'gather: for message in &self.outq {
+                let pieces = match (&message.spliced, &message.data) {
+                    (Some(_), _) => &[][..],
+                    (None, data) => data.as_ref().map_or(&[][..], Pieces::as_slice),
+                };
+                for part in
+                    std::iter::once(&message.header[..]).chain(pieces.iter().map(|p| &p[..]))
+                {
+                    if skip >= part.len() {
+                        skip -= part.len();
+                        continue;
+                    }
+                    slices.push(IoSlice::new(&part[skip..]));
                     skip = 0;
-                } else {
-                    skip -= message.header.len();
+                    if slices.len() == MAX_IOVECS {
+                        break 'gather;
+                    }
                 }
                 if message.spliced.is_some() {
-                    // Its data follows from the pipe once this header is out.
-                    break;
-                }
-                let data = message.data.as_deref().unwrap_or(&[]);
-                if skip < data.len() {
-                    slices.push(IoSlice::new(&data[skip..]));
-                    skip = 0;
-                } else {
-                    skip -= data.len();
-                }
-                if slices.len() >= MAX_IOVECS - 1 {
                     break;
                 }
             }
@@ -725,7 +727,7 @@ impl Pipeline {
             };
             collected += replies
                 .iter()
-                .map(|r| r.data.as_ref().map_or(0, Bytes::len))
+                .map(|r| r.data.as_ref().map_or(0, Pieces::len))
                 .sum::<usize>();
             self.outq.extend(replies);
             completed = true;
@@ -1172,7 +1174,7 @@ fn content_chunks(
             enc.data_header(&mut header, chunk_offset, len as u64, done && i == last);
             out.push(Outgoing::new(
                 header,
-                Some(read.data.slice(at..at + len)),
+                Some(read.data.slice(at, len)),
                 release,
             ));
         }
@@ -1701,7 +1703,7 @@ mod tests {
             "three full pieces and the rest"
         );
         let stored = backend.inner.read(4096, len).await.unwrap();
-        assert!(stored.data[..] == data[..], "the pieces landed in place");
+        assert!(stored.bytes()[..] == data[..], "the pieces landed in place");
     }
 
     #[tokio::test]

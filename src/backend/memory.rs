@@ -82,6 +82,28 @@ impl MemoryBackend {
     }
 
     fn read_now(&self, offset: u64, length: usize) -> ReadData {
+        let in_page = (offset % PAGE_SIZE) as usize;
+        if in_page + length <= PAGE_SIZE as usize {
+            // Within one page (every 4 KiB read): no list of pieces to build.
+            let page = offset / PAGE_SIZE;
+            let held = self
+                .shard(page)
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&page)
+                .map(Arc::clone);
+            let (data, hole) = match held {
+                Some(page) => (
+                    Bytes::from_owner(PageRef(page)).slice(in_page..in_page + length),
+                    false,
+                ),
+                None => (Bytes::from_static(&ZERO_PAGE[..length]), true),
+            };
+            return ReadData {
+                data: data.into(),
+                runs: vec![(length, hole)],
+            };
+        }
         let mut pieces = Vec::with_capacity(length.div_ceil(PAGE_SIZE as usize) + 1);
         let mut runs: Vec<(usize, bool)> = Vec::new();
         Self::for_each_piece(offset, length as u64, |page, in_page, _, len| {

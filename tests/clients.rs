@@ -695,6 +695,34 @@ fn fio_verifies_direct_io_files_with_sizes_down_to_one_sector() {
     }
 }
 
+/// Reads of page-cache data of 64 KiB and more are spliced from the file into the socket
+/// (no copy); fio checks every block it reads back, over TCP and over a Unix socket.
+#[test]
+fn fio_verifies_large_cached_file_reads_sent_by_splice() {
+    if !have("fio") {
+        return;
+    }
+    let dir = tempdir();
+    let backing = dir.path().join("disk.img");
+    let socket = dir.path().join("nbd.sock");
+    let unix = format!("unix:{}", socket.display());
+    let server = Server::start(&[
+        "--listen",
+        "127.0.0.1:0",
+        "--listen",
+        &unix,
+        "--size",
+        "64M",
+        path_str(&backing),
+    ]);
+    fio_verify_sizes(&server, &server.uri(), "--bsrange=64k-2m");
+    fio_verify_sizes(
+        &server,
+        &format!("nbd+unix:///?socket={}", socket.display()),
+        "--bsrange=4k-1m",
+    );
+}
+
 // 8. A file export
 
 #[test]

@@ -36,6 +36,12 @@ const NOWAIT_READ_MAX: usize = 64 * 1024;
 const SPLICE_MIN: usize = 64 * 1024;
 /// Reads at least this long ask the file system where its holes are first.
 const HOLE_QUERY_MIN: usize = 64 * 1024;
+/// In writeback mode, once this many bytes have been written into the page cache since
+/// writeback was last started, writeback of the file's dirty pages is started in the
+/// background (see [`WriteBehind`]).
+const WRITE_BEHIND: u64 = 32 << 20;
+/// Write-behind runs while a FLUSH came at most this long ago.
+const FLUSH_RECENT: std::time::Duration = std::time::Duration::from_secs(30);
 /// Chunk used when zeroes must be written out by hand.
 const ZERO_CHUNK: u64 = 1024 * 1024;
 /// The largest single read or write handed to the ring (its length field is 32 bits).
@@ -56,6 +62,56 @@ pub struct FileBackend {
     ring: Arc<Ring>,
     locks: RangeLocks,
     dirty: Arc<DirtyTracker>,
+    behind: Arc<WriteBehind>,
+}
+
+/// Write-behind for writeback mode: after every [`WRITE_BEHIND`] bytes written into the page
+/// cache, the backend asks the kernel to start writing the file's dirty pages
+/// (`sync_file_range(SYNC_FILE_RANGE_WRITE)` through the ring, not waited for), one such
+/// request at a time.
+///
+/// Why: the kernel starts background writeback only past `dirty_background_ratio` (10% of
+/// memory, gigabytes on a storage server), so a stream of writes accumulated that much dirty
+/// data and the next FLUSH (an ext4 journal commit, a database fsync) wrote all of it while
+/// the client waited. Started early, the writes reach the disk while more data arrives and a
+/// FLUSH has about [`WRITE_BEHIND`] left to write.
+///
+/// Only while clients flush: when no FLUSH came for [`FLUSH_RECENT`], writeback is left to
+/// the kernel. Data a client rewrites before it ever flushes need not reach the disk each
+/// time, and writing it behind costs the server CPU (the ring's worker threads build the
+/// disk writes): fio rewriting a 512 MiB file with 1 MiB writes and no FLUSH fell from
+/// 3.96 to 2.43 GB/s with unconditional write-behind, while bonnie++'s block write on ext4
+/// (whose journal commits FLUSH every few seconds) went from 237–361 to 465–468 MiB/s.
+struct WriteBehind {
+    /// Bytes written since writeback was last started.
+    written: AtomicU64,
+    /// A start-writeback request is in flight.
+    running: std::sync::atomic::AtomicBool,
+    /// When the last FLUSH came, in microseconds since `epoch` (0: never).
+    flushed_at: AtomicU64,
+    epoch: std::time::Instant,
+}
+
+impl WriteBehind {
+    fn new() -> WriteBehind {
+        WriteBehind {
+            written: AtomicU64::new(0),
+            running: Default::default(),
+            flushed_at: AtomicU64::new(0),
+            epoch: std::time::Instant::now(),
+        }
+    }
+
+    fn flush_seen(&self) {
+        let now = self.epoch.elapsed().as_micros() as u64;
+        self.flushed_at.store(now.max(1), Ordering::Release);
+    }
+
+    /// A FLUSH came within [`FLUSH_RECENT`].
+    fn clients_flush(&self) -> bool {
+        let at = self.flushed_at.load(Ordering::Acquire);
+        at != 0 && self.epoch.elapsed().as_micros() as u64 - at < FLUSH_RECENT.as_micros() as u64
+    }
 }
 
 /// Counts completed writes so that FLUSH can skip the sync when nothing changed.
@@ -198,6 +254,7 @@ impl FileBackend {
             ring,
             locks: RangeLocks::default(),
             dirty: Arc::new(DirtyTracker::default()),
+            behind: Arc::new(WriteBehind::new()),
         })
     }
 
@@ -311,7 +368,37 @@ impl FileBackend {
         use std::os::unix::fs::FileExt;
         self.file
             .write_all_at(data, offset)
-            .map_err(|e| BackendError::io("write", offset, data.len() as u64, e))
+            .map_err(|e| BackendError::io("write", offset, data.len() as u64, e))?;
+        self.write_behind(data.len() as u64);
+        Ok(())
+    }
+
+    /// Counts `written` bytes toward [`WriteBehind`], and starts writeback of the file's
+    /// dirty pages in the background when enough have come.
+    fn write_behind(&self, written: u64) {
+        let behind = &self.behind;
+        if behind.written.fetch_add(written, Ordering::AcqRel) + written < WRITE_BEHIND
+            || !behind.clients_flush()
+            || behind.running.swap(true, Ordering::AcqRel)
+        {
+            return;
+        }
+        behind.written.store(0, Ordering::Release);
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            behind.running.store(false, Ordering::Release);
+            return;
+        };
+        let (ring, file, behind) = (
+            Arc::clone(&self.ring),
+            Arc::clone(&self.file),
+            Arc::clone(&self.behind),
+        );
+        runtime.spawn(async move {
+            if let Err(e) = ring.start_writeback(&file, 0, 0).await {
+                tracing::debug!("starting writeback failed: {e}");
+            }
+            behind.running.store(false, Ordering::Release);
+        });
     }
 
     /// A direct-I/O write of whole blocks; the data is copied into an aligned buffer when
@@ -564,6 +651,9 @@ impl Backend for FileBackend {
 
     fn flush(&self) -> BackendFuture<'_, ()> {
         Box::pin(async move {
+            if self.cache == CacheMode::Writeback {
+                self.behind.flush_seen();
+            }
             let Some(target) = self.dirty.sync_target() else {
                 return Ok(());
             };
@@ -712,6 +802,61 @@ mod tests {
         let err = FileBackend::open(&path, Some(2 << 20), false, None).unwrap_err();
         assert!(err.to_string().contains("never resizes"), "{err}");
         assert_eq!(std::fs::metadata(&path).unwrap().len(), 1 << 20);
+    }
+
+    /// Dirty pages of the file, or `None` where the kernel cannot tell.
+    fn dirty_pages(file: &File) -> Option<u64> {
+        super::super::splice::cachestat(file, 0, 0).map(|c| c.nr_dirty + c.nr_writeback)
+    }
+
+    #[test]
+    fn writes_behind_only_once_clients_flush() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("disk.img");
+        let size = 3 * WRITE_BEHIND;
+        let b = FileBackend::open(&path, Some(size), false, None).unwrap();
+        let file = Arc::clone(&b.file);
+        let Some(_) = dirty_pages(&file) else {
+            eprintln!("no cachestat here: dirty pages cannot be watched");
+            return;
+        };
+        let page = rustix::param::page_size() as u64;
+        let chunk = 4 << 20;
+        let write_range = |from: u64| {
+            let b = &b;
+            async move {
+                for at in (from..from + WRITE_BEHIND + chunk).step_by(chunk as usize) {
+                    b.write(at, Bytes::from(vec![1u8; chunk as usize]), false)
+                        .await
+                        .unwrap();
+                }
+            }
+        };
+        block_on(async {
+            // No FLUSH yet: what was written stays dirty, for the kernel to write back.
+            write_range(0).await;
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+            let dirty = dirty_pages(&file).unwrap() * page;
+            assert!(
+                dirty > WRITE_BEHIND,
+                "{dirty} bytes dirty: written behind unasked"
+            );
+            // A FLUSH writes it all; after it, the next WRITE_BEHIND bytes start writeback.
+            b.flush().await.unwrap();
+            write_range(WRITE_BEHIND + chunk).await;
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            loop {
+                let dirty = dirty_pages(&file).unwrap() * page;
+                if dirty < WRITE_BEHIND / 2 {
+                    break;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "{dirty} bytes still dirty: nothing was written behind"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+        });
     }
 
     #[test]

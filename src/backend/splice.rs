@@ -203,27 +203,33 @@ struct CachestatRange {
     len: u64,
 }
 
-/// `struct cachestat` of `<linux/mman.h>`.
+/// `struct cachestat` of `<linux/mman.h>`: the page-cache state of a file range, in pages.
 #[repr(C)]
-#[derive(Default)]
-struct Cachestat {
-    nr_cache: u64,
-    nr_dirty: u64,
-    nr_writeback: u64,
-    nr_evicted: u64,
-    nr_recently_evicted: u64,
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Cachestat {
+    pub nr_cache: u64,
+    pub nr_dirty: u64,
+    pub nr_writeback: u64,
+    pub nr_evicted: u64,
+    pub nr_recently_evicted: u64,
 }
 
 /// Whether every page of `[offset, offset + length)` is in the page cache; `None` when the
 /// kernel cannot say (no `cachestat`, before Linux 6.5).
 fn cached(file: &File, offset: u64, length: u64) -> Option<bool> {
+    let page = rustix::param::page_size() as u64;
+    let pages = (offset + length).div_ceil(page) - offset / page;
+    Some(cachestat(file, offset, length)?.nr_cache >= pages)
+}
+
+/// The page-cache state of `[offset, offset + length)` (`length` 0: to the end of the file)
+/// from `cachestat(2)`; `None` when the kernel has no such call.
+pub fn cachestat(file: &File, offset: u64, length: u64) -> Option<Cachestat> {
     static UNSUPPORTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     if UNSUPPORTED.load(Ordering::Relaxed) {
         return None;
     }
     let number = SYS_CACHESTAT?;
-    let page = rustix::param::page_size() as u64;
-    let pages = (offset + length).div_ceil(page) - offset / page;
     let range = CachestatRange {
         off: offset,
         len: length,
@@ -231,7 +237,7 @@ fn cached(file: &File, offset: u64, length: u64) -> Option<bool> {
     let mut stat = Cachestat::default();
     // SAFETY: cachestat(fd, range, cstat, flags) reads one `struct cachestat_range` and
     // writes one `struct cachestat`; both pointers are to live, properly aligned `repr(C)`
-    // values of exactly those layouts (five and two u64 fields), and the file descriptor is
+    // values of exactly those layouts (two and five u64 fields), and the file descriptor is
     // open for as long as `file` is borrowed.
     let result = unsafe {
         libc::syscall(
@@ -248,7 +254,7 @@ fn cached(file: &File, offset: u64, length: u64) -> Option<bool> {
         }
         return None;
     }
-    Some(stat.nr_cache >= pages)
+    Some(stat)
 }
 
 #[cfg(test)]

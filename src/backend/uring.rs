@@ -191,6 +191,12 @@ enum Request {
     Fsync {
         datasync: bool,
     },
+    /// `sync_file_range(SYNC_FILE_RANGE_WRITE)`: the range's dirty pages are queued for
+    /// writing; completes without waiting for the writes.
+    StartWriteback {
+        offset: u64,
+        len: u32,
+    },
 }
 
 impl Ring {
@@ -264,6 +270,20 @@ impl Ring {
             .map(|_| ())
     }
 
+    /// Starts writeback of the dirty pages in `[offset, offset + len)` (`len` 0: to the end
+    /// of the file) without waiting for it to finish.
+    pub async fn start_writeback(
+        self: &Arc<Self>,
+        file: &Arc<File>,
+        offset: u64,
+        len: u32,
+    ) -> io::Result<()> {
+        self.submit(file, Request::StartWriteback { offset, len })
+            .await
+            .0
+            .map(|_| ())
+    }
+
     async fn submit(
         self: &Arc<Self>,
         file: &Arc<File>,
@@ -301,6 +321,14 @@ impl Ring {
                     types::FsyncFlags::empty()
                 };
                 (opcode::Fsync::new(fd).flags(flags).build(), None, None)
+            }
+            Request::StartWriteback { offset, len } => {
+                const SYNC_FILE_RANGE_WRITE: u32 = 2;
+                let entry = opcode::SyncFileRange::new(fd, len)
+                    .offset(offset)
+                    .flags(SYNC_FILE_RANGE_WRITE)
+                    .build();
+                (entry, None, None)
             }
         };
         let slot = Slot {

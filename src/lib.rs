@@ -7,7 +7,9 @@
 //!   ([`server::validate`]) and the per-connection pipeline ([`server::pipeline`]);
 //!   [`server::serve`] is the entry point.
 //! - [`backend`]: the [`backend::Backend`] trait every export goes through, with the
-//!   sparse [`backend::memory`] and the [`backend::file`] (file or block device) engines.
+//!   sparse [`backend::memory`] and the [`backend::file`] (file or block device) engines,
+//!   the io_uring driver ([`backend::uring`]) and zero-copy page-cache reads
+//!   ([`backend::splice`]).
 //! - [`config`]: the TOML file for several exports; [`listen`]: listen addresses.
 //! - [`replication`]: replication of an export across nodes (a backend layer), its
 //!   resource file, peer protocol and crash-safe metadata.
@@ -16,7 +18,8 @@
 //!
 //! The `netblk` binary (`src/main.rs`) is only the command line around [`server::serve`].
 
-// `unsafe` is allowed in one place only: `backend::uring`, where the kernel borrows buffers.
+// `unsafe` is allowed in two places only: `backend::uring`, where the kernel borrows
+// buffers, and `backend::splice`, for the one system call (`cachestat`) with no safe binding.
 #![deny(unsafe_code)]
 
 pub mod backend;

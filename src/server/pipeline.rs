@@ -37,7 +37,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use rustix::io::Errno;
 use rustix::net::RecvFlags;
@@ -84,6 +84,18 @@ const WRITE_AFTER_DATA: usize = 512 * 1024;
 const MAX_STATUS_SPAN: u64 = (1 << 32) - (1 << 16);
 /// Free room kept in the read buffer before each socket read.
 const READ_ROOM: usize = 256 * 1024;
+/// Most bytes read into the read buffer at once after a request with a payload of
+/// [`LARGE_PAYLOAD`] or more, so that the next such payload is read into its own buffer
+/// instead of being copied there from the read buffer (which took up to a quarter of each
+/// payload). Measured with fio 1 MiB sequential writes at QD8, alternating with the
+/// unlimited read, three runs of 3 rounds, MB/s: memory 4,845 → 5,475, 4,027 → 4,855,
+/// 3,120 → 3,877; file 4,220 → 4,990, 4,047 → 4,635, 3,991 → 3,500 (noisy VM).
+const READ_AFTER_LARGE_PAYLOAD: usize = 4096;
+/// Payloads from this size on limit the next socket read ([`READ_AFTER_LARGE_PAYLOAD`]).
+/// Smaller ones do not: the one read that brings in several 64 KiB or 256 KiB writes is
+/// worth more than the copy it saves (with the limit from 64 KiB on, 64 KiB writes fell
+/// from 2,984 to 2,084 MB/s and 256 KiB writes from 3,028 to 2,473 on the file export).
+const LARGE_PAYLOAD: u32 = 1024 * 1024;
 /// Most slices handed to one vectored write.
 const MAX_IOVECS: usize = 512;
 /// Poll-loop rounds before yielding to other connections on this worker.
@@ -158,6 +170,7 @@ pub async fn run<S: Stream>(
         merging: None,
         spin: IdleSpin::new(),
         splice: stream.can_splice(),
+        after_large_payload: false,
     };
     let mut stopped = Box::pin(async move {
         let _ = stop.wait_for(|s| *s).await;
@@ -234,6 +247,8 @@ struct Pipeline {
     spin: IdleSpin,
     /// The socket takes read data straight from a pipe ([`Backend::read_to_pipe`]).
     splice: bool,
+    /// The last request parsed carried a payload of [`LARGE_PAYLOAD`] bytes or more.
+    after_large_payload: bool,
 }
 
 impl Pipeline {
@@ -377,6 +392,8 @@ impl Pipeline {
             };
             self.inbuf.advance(header_len);
             self.spin.request();
+            self.after_large_payload =
+                header.payload_len(self.limits.style) >= u64::from(LARGE_PAYLOAD);
             if header.command == cmd::DISC {
                 self.stop_reading("client sent NBD_CMD_DISC");
                 return Ok(());
@@ -774,6 +791,14 @@ impl Pipeline {
                             Poll::Pending => Poll::Pending,
                         }
                     }
+                    // After a large write, read only a little: the next request is likely
+                    // another large write, whose payload then goes straight into its own
+                    // buffer (above) instead of being copied there from this one.
+                    _ if self.after_large_payload => tokio_util::io::poll_read_buf(
+                        stream.as_mut(),
+                        cx,
+                        &mut (&mut self.inbuf).limit(READ_AFTER_LARGE_PAYLOAD),
+                    ),
                     _ => tokio_util::io::poll_read_buf(stream.as_mut(), cx, &mut self.inbuf),
                 };
                 match polled {
@@ -1706,6 +1731,52 @@ mod tests {
         );
         let stored = backend.inner.read(4096, len).await.unwrap();
         assert!(stored.bytes()[..] == data[..], "the pieces landed in place");
+    }
+
+    /// Large writes sent back to back, with small requests among them, all land in place:
+    /// after each large payload the socket is read a little at a time, so the next header
+    /// and the first bytes of its payload arrive in the read buffer and the rest straight
+    /// in the payload's own buffer.
+    #[tokio::test]
+    async fn large_writes_sent_back_to_back_land_whole_with_small_requests_between() {
+        let backend = Arc::new(CountingReads::new(None));
+        let (client, server) = tokio::net::UnixStream::pair().unwrap();
+        let mut client =
+            serve_and_negotiate(Arc::clone(&backend) as Arc<dyn Backend>, client, server).await;
+        let sizes = [
+            LARGE_PAYLOAD as usize,
+            LARGE_PAYLOAD as usize + 17,
+            3,
+            2 * LARGE_PAYLOAD as usize + 4095,
+            MIN_POOLED,
+            LARGE_PAYLOAD as usize - 1,
+        ];
+        let mut stream = Vec::new();
+        let mut expected = Vec::new();
+        let mut at = 0u64;
+        for (i, &len) in sizes.iter().enumerate() {
+            let data: Vec<u8> = (0..len).map(|j| ((i * 31 + j * 7) % 251) as u8).collect();
+            stream.extend(request(cmd::WRITE, 0, i as u64, at, len as u64));
+            stream.extend(&data);
+            // A flush after each write: a small request between the large ones.
+            stream.extend(request(cmd::FLUSH, 0, 100 + i as u64, 0, 0));
+            expected.push((at, data));
+            at += len as u64 + 512;
+        }
+        let (mut rx, mut tx) = client.into_split();
+        let sender = tokio::spawn(async move { tx.write_all(&stream).await.unwrap() });
+        let mut answered = 0;
+        while answered < 2 * sizes.len() {
+            let (flags, kind, cookie, _) = read_chunk(&mut rx).await;
+            assert_eq!(kind, reply::TYPE_NONE, "cookie {cookie} failed");
+            assert!(flags & reply::FLAG_DONE != 0);
+            answered += 1;
+        }
+        sender.await.unwrap();
+        for (offset, data) in expected {
+            let stored = backend.inner.read(offset, data.len()).await.unwrap();
+            assert!(stored.bytes()[..] == data[..], "write at {offset} landed wrong");
+        }
     }
 
     #[tokio::test]

@@ -81,24 +81,29 @@ impl MemoryBackend {
         }
     }
 
+    /// `len` bytes of page `page` from `in_page` on, by reference, and whether they are a
+    /// hole (a page never written reads from a static page of zeroes).
+    fn page_bytes(&self, page: u64, in_page: usize, len: usize) -> (Bytes, bool) {
+        let held = self
+            .shard(page)
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&page)
+            .map(Arc::clone);
+        match held {
+            Some(page) => (
+                Bytes::from_owner(PageRef(page)).slice(in_page..in_page + len),
+                false,
+            ),
+            None => (Bytes::from_static(&ZERO_PAGE[..len]), true),
+        }
+    }
+
     fn read_now(&self, offset: u64, length: usize) -> ReadData {
         let in_page = (offset % PAGE_SIZE) as usize;
         if in_page + length <= PAGE_SIZE as usize {
             // Within one page (every 4 KiB read): no list of pieces to build.
-            let page = offset / PAGE_SIZE;
-            let held = self
-                .shard(page)
-                .read()
-                .unwrap_or_else(|e| e.into_inner())
-                .get(&page)
-                .map(Arc::clone);
-            let (data, hole) = match held {
-                Some(page) => (
-                    Bytes::from_owner(PageRef(page)).slice(in_page..in_page + length),
-                    false,
-                ),
-                None => (Bytes::from_static(&ZERO_PAGE[..length]), true),
-            };
+            let (data, hole) = self.page_bytes(offset / PAGE_SIZE, in_page, length);
             return ReadData {
                 data: data.into(),
                 runs: vec![(length, hole)],
@@ -107,23 +112,8 @@ impl MemoryBackend {
         let mut pieces = Vec::with_capacity(length.div_ceil(PAGE_SIZE as usize) + 1);
         let mut runs: Vec<(usize, bool)> = Vec::new();
         Self::for_each_piece(offset, length as u64, |page, in_page, _, len| {
-            let held = self
-                .shard(page)
-                .read()
-                .unwrap_or_else(|e| e.into_inner())
-                .get(&page)
-                .map(Arc::clone);
-            let hole = match held {
-                Some(page) => {
-                    let bytes = Bytes::from_owner(PageRef(page));
-                    pieces.push(bytes.slice(in_page..in_page + len));
-                    false
-                }
-                None => {
-                    pieces.push(Bytes::from_static(&ZERO_PAGE[..len]));
-                    true
-                }
-            };
+            let (bytes, hole) = self.page_bytes(page, in_page, len);
+            pieces.push(bytes);
             match runs.last_mut() {
                 Some((run_len, run_hole)) if *run_hole == hole => *run_len += len,
                 _ => runs.push((len, hole)),

@@ -198,43 +198,32 @@ macro_rules! splice_into_socket {
     }};
 }
 
-impl Stream for tokio::net::TcpStream {
-    fn socket_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
-        Some(std::os::fd::AsFd::as_fd(self))
-    }
+/// A socket registered with tokio: its descriptor for the idle spin, and splices into it.
+macro_rules! socket_stream {
+    ($socket:ty) => {
+        impl Stream for $socket {
+            fn socket_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+                Some(std::os::fd::AsFd::as_fd(self))
+            }
 
-    fn can_splice(&self) -> bool {
-        true
-    }
+            fn can_splice(&self) -> bool {
+                true
+            }
 
-    fn poll_splice(
-        &self,
-        cx: &mut Context<'_>,
-        pipe: BorrowedFd<'_>,
-        len: usize,
-    ) -> Poll<std::io::Result<usize>> {
-        splice_into_socket!(self, cx, pipe, len)
-    }
+            fn poll_splice(
+                &self,
+                cx: &mut Context<'_>,
+                pipe: BorrowedFd<'_>,
+                len: usize,
+            ) -> Poll<std::io::Result<usize>> {
+                splice_into_socket!(self, cx, pipe, len)
+            }
+        }
+    };
 }
 
-impl Stream for tokio::net::UnixStream {
-    fn socket_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
-        Some(std::os::fd::AsFd::as_fd(self))
-    }
-
-    fn can_splice(&self) -> bool {
-        true
-    }
-
-    fn poll_splice(
-        &self,
-        cx: &mut Context<'_>,
-        pipe: BorrowedFd<'_>,
-        len: usize,
-    ) -> Poll<std::io::Result<usize>> {
-        splice_into_socket!(self, cx, pipe, len)
-    }
-}
+socket_stream!(tokio::net::TcpStream);
+socket_stream!(tokio::net::UnixStream);
 
 impl Stream for tokio::io::DuplexStream {}
 

@@ -1568,27 +1568,35 @@ mod tests {
         connect_to(Arc::new(MemoryBackend::new(64 << 20, false))).await
     }
 
-    /// A memory export that counts the reads and writes it is asked for, and fails a write
-    /// that starts at `fail_write_at`.
-    struct CountingReads {
-        inner: MemoryBackend,
+    /// An export (memory unless said otherwise) that counts the reads, spliced reads and
+    /// writes it is asked for, and fails a write that starts at `fail_write_at`.
+    struct CountingReads<B = MemoryBackend> {
+        inner: B,
         reads: std::sync::atomic::AtomicUsize,
+        spliced: std::sync::atomic::AtomicUsize,
         writes: std::sync::atomic::AtomicUsize,
         fail_write_at: Option<u64>,
     }
 
     impl CountingReads {
         fn new(fail_write_at: Option<u64>) -> CountingReads {
+            CountingReads::over(MemoryBackend::new(64 << 20, false), fail_write_at)
+        }
+    }
+
+    impl<B> CountingReads<B> {
+        fn over(inner: B, fail_write_at: Option<u64>) -> CountingReads<B> {
             CountingReads {
-                inner: MemoryBackend::new(64 << 20, false),
+                inner,
                 reads: Default::default(),
+                spliced: Default::default(),
                 writes: Default::default(),
                 fail_write_at,
             }
         }
     }
 
-    impl Backend for CountingReads {
+    impl<B: Backend> Backend for CountingReads<B> {
         fn size(&self) -> u64 {
             self.inner.size()
         }
@@ -1598,6 +1606,12 @@ mod tests {
         fn read(&self, offset: u64, length: usize) -> crate::backend::BackendFuture<'_, ReadData> {
             self.reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             self.inner.read(offset, length)
+        }
+        fn read_to_pipe(&self, offset: u64, length: usize) -> Option<Spliced> {
+            let spliced = self.inner.read_to_pipe(offset, length)?;
+            self.spliced
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Some(spliced)
         }
         fn write(
             &self,
@@ -1741,7 +1755,7 @@ mod tests {
     async fn large_writes_sent_back_to_back_land_whole_with_small_requests_between() {
         let backend = Arc::new(CountingReads::new(None));
         let (client, server) = tokio::net::UnixStream::pair().unwrap();
-        let mut client =
+        let client =
             serve_and_negotiate(Arc::clone(&backend) as Arc<dyn Backend>, client, server).await;
         let sizes = [
             LARGE_PAYLOAD as usize,
@@ -1775,7 +1789,10 @@ mod tests {
         sender.await.unwrap();
         for (offset, data) in expected {
             let stored = backend.inner.read(offset, data.len()).await.unwrap();
-            assert!(stored.bytes()[..] == data[..], "write at {offset} landed wrong");
+            assert!(
+                stored.bytes()[..] == data[..],
+                "write at {offset} landed wrong"
+            );
         }
     }
 
@@ -1921,67 +1938,6 @@ mod tests {
         assert_eq!(assembled, pattern);
     }
 
-    /// A file export that counts the reads its pages were spliced for.
-    struct CountingSplices {
-        inner: crate::backend::file::FileBackend,
-        spliced: std::sync::atomic::AtomicUsize,
-    }
-
-    impl Backend for CountingSplices {
-        fn size(&self) -> u64 {
-            self.inner.size()
-        }
-        fn capabilities(&self) -> crate::backend::Capabilities {
-            self.inner.capabilities()
-        }
-        fn read(&self, offset: u64, length: usize) -> crate::backend::BackendFuture<'_, ReadData> {
-            self.inner.read(offset, length)
-        }
-        fn read_to_pipe(&self, offset: u64, length: usize) -> Option<Spliced> {
-            let spliced = self.inner.read_to_pipe(offset, length)?;
-            self.spliced
-                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            Some(spliced)
-        }
-        fn write(
-            &self,
-            offset: u64,
-            data: Bytes,
-            fua: bool,
-        ) -> crate::backend::BackendFuture<'_, ()> {
-            self.inner.write(offset, data, fua)
-        }
-        fn flush(&self) -> crate::backend::BackendFuture<'_, ()> {
-            self.inner.flush()
-        }
-        fn trim(
-            &self,
-            offset: u64,
-            length: u64,
-            fua: bool,
-        ) -> crate::backend::BackendFuture<'_, ()> {
-            self.inner.trim(offset, length, fua)
-        }
-        fn write_zeroes(
-            &self,
-            offset: u64,
-            length: u64,
-            flags: ZeroFlags,
-        ) -> crate::backend::BackendFuture<'_, ()> {
-            self.inner.write_zeroes(offset, length, flags)
-        }
-        fn cache(&self, offset: u64, length: u64) -> crate::backend::BackendFuture<'_, ()> {
-            self.inner.cache(offset, length)
-        }
-        fn extents(
-            &self,
-            offset: u64,
-            length: u64,
-        ) -> crate::backend::BackendFuture<'_, Vec<crate::backend::Extent>> {
-            self.inner.extents(offset, length)
-        }
-    }
-
     /// Reads of cached file data over a real socket leave through a pipe: a whole read, a
     /// streamed one, several in flight at once, and a simple reply; every byte matches,
     /// and small reads are still copied.
@@ -1993,10 +1949,7 @@ mod tests {
         let mut tmp = tempfile::NamedTempFile::new().unwrap();
         tmp.write_all(&pattern).unwrap();
         let file = crate::backend::file::FileBackend::open(tmp.path(), None, false, None).unwrap();
-        let backend = Arc::new(CountingSplices {
-            inner: file,
-            spliced: Default::default(),
-        });
+        let backend = Arc::new(CountingReads::over(file, None));
         let (client, server) = tokio::net::UnixStream::pair().unwrap();
         let mut client = serve_and_negotiate(backend.clone(), client, server).await;
         // (cookie, offset, length): whole reads, one streamed over four pieces, and a small

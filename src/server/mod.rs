@@ -168,36 +168,6 @@ pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static {
     }
 }
 
-/// Splices from `pipe` into a socket registered with tokio, waiting for room the way
-/// tokio's own writes do.
-macro_rules! splice_into_socket {
-    ($socket:expr, $cx:expr, $pipe:expr, $len:expr) => {{
-        let socket = $socket;
-        loop {
-            match socket.poll_write_ready($cx) {
-                Poll::Ready(Ok(())) => {}
-                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
-                Poll::Pending => return Poll::Pending,
-            }
-            let moved = socket.try_io(tokio::io::Interest::WRITABLE, || {
-                rustix::pipe::splice(
-                    $pipe,
-                    None,
-                    socket,
-                    None,
-                    $len,
-                    rustix::pipe::SpliceFlags::NONBLOCK,
-                )
-                .map_err(std::io::Error::from)
-            });
-            match moved {
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-                other => return Poll::Ready(other),
-            }
-        }
-    }};
-}
-
 /// A socket registered with tokio: its descriptor for the idle spin, and splices into it.
 macro_rules! socket_stream {
     ($socket:ty) => {
@@ -216,7 +186,29 @@ macro_rules! socket_stream {
                 pipe: BorrowedFd<'_>,
                 len: usize,
             ) -> Poll<std::io::Result<usize>> {
-                splice_into_socket!(self, cx, pipe, len)
+                // Wait for room the way tokio's own writes do.
+                loop {
+                    match self.poll_write_ready(cx) {
+                        Poll::Ready(Ok(())) => {}
+                        Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                        Poll::Pending => return Poll::Pending,
+                    }
+                    let moved = self.try_io(tokio::io::Interest::WRITABLE, || {
+                        rustix::pipe::splice(
+                            pipe,
+                            None,
+                            self,
+                            None,
+                            len,
+                            rustix::pipe::SpliceFlags::NONBLOCK,
+                        )
+                        .map_err(std::io::Error::from)
+                    });
+                    match moved {
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                        other => return Poll::Ready(other),
+                    }
+                }
             }
         }
     };

@@ -11,6 +11,9 @@
 //! kernel posts as task work in the submitting thread, such as buffered writes finished by
 //! an io-wq worker, and a waiter then hangs. A unit test caught it.)
 //!
+//! A connection that sends one request at a time has its writes and syncs run as plain
+//! system calls on its own thread instead ([`alone`]), which skips those hand-offs.
+//!
 //! Safety rests on ownership: every buffer and file an entry points at is moved into the
 //! entry's slot before the entry is pushed, and stays there until the kernel posts its
 //! completion, even if the waiting future is dropped. A semaphore keeps the number of
@@ -25,7 +28,7 @@
 use std::cell::{Cell, RefCell};
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::{Arc, Mutex, Weak};
 
 use bytes::Bytes;
@@ -83,6 +86,42 @@ pub fn plugged<R>(work: impl FnOnce() -> R) -> R {
     }
     PLUG_DEPTH.with(|d| d.set(d.get() + 1));
     let _unplug = Unplug;
+    work()
+}
+
+thread_local! {
+    /// Set inside [`alone`]: a request that finds the ring empty runs as a system call.
+    static ALONE: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Requests run as plain system calls by [`alone`] so far, across the process.
+static INLINED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many requests ran as plain system calls under [`alone`] so far.
+pub fn inlined() -> u64 {
+    INLINED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Runs `work` (which polls the one request a connection has in flight) with this thread's
+/// ring requests run as plain blocking system calls, inside
+/// [`tokio::task::block_in_place`], whenever they find the ring empty.
+///
+/// For a client that waits for each reply before it sends the next request (a database's
+/// write and fsync at queue depth 1), a request through the ring costs hand-offs between
+/// threads: the completion comes back through the submitting thread's task work, the
+/// eventfd, the reaper task and the connection's waker, each a wake-up across CPUs on a
+/// VM. A system call made by the connection's own thread is woken once, by the device.
+/// `block_in_place` hands the worker's other tasks to another thread meanwhile, so a slow
+/// device does not stall other connections. Measured reason: ARCHITECTURE.md, "A lone
+/// write or flush as a system call".
+pub fn alone<R>(work: impl FnOnce() -> R) -> R {
+    struct Reset(bool);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            ALONE.with(|a| a.set(self.0));
+        }
+    }
+    let _reset = Reset(ALONE.with(|a| a.replace(true)));
     work()
 }
 
@@ -289,6 +328,10 @@ impl Ring {
         file: &Arc<File>,
         request: Request,
     ) -> (io::Result<usize>, Option<Buffer>) {
+        let request = match self.try_inline(file, request) {
+            Ok(done) => return done,
+            Err(request) => request,
+        };
         let permit = match Arc::clone(&self.in_flight).acquire_owned().await {
             Ok(permit) => permit,
             Err(_) => return (Err(io::Error::other("the ring is closed")), None),
@@ -348,6 +391,68 @@ impl Ring {
             Ok(Completion { result, buffer }) => (Ok(result as usize), buffer),
             Err(_) => (Err(io::Error::other("the ring went away")), None),
         }
+    }
+
+    /// Runs `request` as a plain system call on this thread, inside
+    /// [`tokio::task::block_in_place`], when the caller runs inside [`alone`] and nothing
+    /// else is in the ring; gives the request back otherwise.
+    #[allow(clippy::result_large_err)]
+    fn try_inline(
+        &self,
+        file: &Arc<File>,
+        request: Request,
+    ) -> Result<(io::Result<usize>, Option<Buffer>), Request> {
+        // Reads stay in the ring: a connection that polls the ring for a lone read's
+        // completion (the pipeline's spin) answers sooner than one woken from `pread`.
+        if !ALONE.with(Cell::get)
+            || matches!(
+                request,
+                Request::Read { .. } | Request::StartWriteback { .. }
+            )
+        {
+            return Err(request);
+        }
+        // `block_in_place` needs a worker of a multi-threaded runtime to hand its other
+        // tasks to.
+        let multi_threaded = tokio::runtime::Handle::try_current().is_ok_and(|handle| {
+            handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread
+        });
+        if !multi_threaded {
+            return Err(request);
+        }
+        {
+            let state = self.lock();
+            if state.slots.len() != state.free.len() || state.submit_scheduled {
+                return Err(request);
+            }
+        }
+        INLINED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(tokio::task::block_in_place(move || match request {
+            Request::Write {
+                offset,
+                data,
+                flags,
+            } => {
+                let result = rustix::io::pwritev2(
+                    file.as_fd(),
+                    &[io::IoSlice::new(&data)],
+                    offset,
+                    rustix::io::ReadWriteFlags::from_bits_retain(flags as u32),
+                );
+                (result.map_err(io::Error::from), None)
+            }
+            Request::Fsync { datasync } => {
+                let result = if datasync {
+                    rustix::fs::fdatasync(file.as_fd())
+                } else {
+                    rustix::fs::fsync(file.as_fd())
+                };
+                (result.map(|()| 0).map_err(io::Error::from), None)
+            }
+            Request::Read { .. } | Request::StartWriteback { .. } => {
+                unreachable!("excluded above")
+            }
+        }))
     }
 
     /// Hands out the completions already posted, without entering the kernel or waiting;
@@ -543,6 +648,69 @@ mod tests {
             let (n, _) = ring.read(&file, (1 << 20) - 100, Buffer::take(4096)).await;
             assert_eq!(n.unwrap(), 100);
         });
+    }
+
+    /// Polls its future inside [`alone`], as the pipeline polls a lone request.
+    struct Alone<F>(std::pin::Pin<Box<F>>);
+
+    impl<F: std::future::Future> std::future::Future for Alone<F> {
+        type Output = F::Output;
+        fn poll(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<F::Output> {
+            alone(|| self.0.as_mut().poll(cx))
+        }
+    }
+
+    #[test]
+    fn alone_writes_and_syncs_run_as_system_calls_and_reads_stay_in_the_ring() {
+        use std::os::unix::fs::FileExt;
+        let (mut tmp, file) = scratch_file();
+        tmp.write_all(&vec![0u8; 1 << 20]).unwrap();
+        let ring = Ring::new().unwrap();
+        let runtime = runtime();
+        let (task_ring, task_file) = (Arc::clone(&ring), Arc::clone(&file));
+        // On a worker of the multi-threaded runtime, where `block_in_place` may run.
+        runtime
+            .block_on(runtime.spawn(async move {
+                let (ring, file) = (task_ring, task_file);
+                let inlined_before = inlined();
+                let n = Alone(Box::pin(ring.write(
+                    &file,
+                    8192,
+                    Bytes::from(vec![5u8; 4096]),
+                    RWF_DSYNC,
+                )))
+                .await
+                .unwrap();
+                assert_eq!(n, 4096);
+                Alone(Box::pin(ring.fsync(&file, true))).await.unwrap();
+                assert!(inlined() >= inlined_before + 2);
+                assert_eq!(ring.reap_posted(), 0, "nothing went through the ring");
+                let (n, buffer) = Alone(Box::pin(ring.read(&file, 8192, Buffer::take(4096)))).await;
+                assert_eq!(n.unwrap(), 4096);
+                assert!(buffer.as_ref().iter().all(|&b| b == 5));
+                assert_eq!(ring.reap_posted(), 1, "the read went through the ring");
+                // Outside `alone`, writes and syncs go through the ring as before.
+                ring.write(&file, 0, Bytes::from(vec![6u8; 4096]), 0)
+                    .await
+                    .unwrap();
+                ring.fsync(&file, true).await.unwrap();
+                assert_eq!(ring.reap_posted(), 3);
+            }))
+            .unwrap();
+        let mut back = vec![0u8; 12288];
+        file.read_exact_at(&mut back, 0).unwrap();
+        assert!(back[..4096].iter().all(|&b| b == 6));
+        assert!(back[4096..8192].iter().all(|&b| b == 0));
+        assert!(back[8192..].iter().all(|&b| b == 5));
+        // A one-thread runtime has no worker to hand tasks to: everything uses the ring.
+        let ring = Ring::new().unwrap();
+        current_thread().block_on(async {
+            Alone(Box::pin(ring.fsync(&file, true))).await.unwrap();
+        });
+        assert_eq!(ring.reap_posted(), 1);
     }
 
     #[test]

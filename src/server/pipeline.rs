@@ -740,8 +740,20 @@ impl Pipeline {
         }
         let mut completed = false;
         let mut collected = 0usize;
+        // A connection in the pattern of one request at a time (see `IdleSpin`) has its
+        // request run by this thread, without the ring's hand-offs (`uring::alone`); only
+        // for a backend that is a device itself (`poll_completions`): a replicated write
+        // must not wait for its local half before its remote half is sent.
+        let alone = self.in_flight.len() == 1
+            && self.spin.one_at_a_time(CONNECTIONS.load(Ordering::Relaxed))
+            && self.backend.poll_completions().is_some();
         while collected < WRITE_AFTER_DATA {
-            let Poll::Ready(Some(replies)) = self.in_flight.poll_next_unpin(cx) else {
+            let polled = if alone {
+                crate::backend::uring::alone(|| self.in_flight.poll_next_unpin(cx))
+            } else {
+                self.in_flight.poll_next_unpin(cx)
+            };
+            let Poll::Ready(Some(replies)) = polled else {
                 break;
             };
             collected += replies
@@ -1028,6 +1040,12 @@ impl IdleSpin {
     /// busy periods, no pause, and few enough connections on the server.
     fn in_pattern(&self, connections: usize) -> bool {
         self.singles >= SPIN_AFTER_SINGLES && self.paused == 0 && connections <= self.max_spinners
+    }
+
+    /// Whether the connection has sent one request per busy period for a while, and the
+    /// server has few enough connections: a client that waits for each reply.
+    fn one_at_a_time(&self, connections: usize) -> bool {
+        self.singles >= SPIN_AFTER_SINGLES && connections <= self.max_spinners
     }
 
     /// The connection waits on a single request in the backend: in the same pattern that

@@ -426,33 +426,33 @@ impl Ring {
                 return Err(request);
             }
         }
-        INLINED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(tokio::task::block_in_place(move || match request {
+        let file = file.as_fd();
+        let done = match request {
             Request::Write {
                 offset,
                 data,
                 flags,
-            } => {
-                let result = rustix::io::pwritev2(
-                    file.as_fd(),
-                    &[io::IoSlice::new(&data)],
-                    offset,
-                    rustix::io::ReadWriteFlags::from_bits_retain(flags as u32),
-                );
-                (result.map_err(io::Error::from), None)
-            }
-            Request::Fsync { datasync } => {
-                let result = if datasync {
-                    rustix::fs::fdatasync(file.as_fd())
-                } else {
-                    rustix::fs::fsync(file.as_fd())
-                };
-                (result.map(|()| 0).map_err(io::Error::from), None)
-            }
-            Request::Read { .. } | Request::StartWriteback { .. } => {
-                unreachable!("excluded above")
-            }
-        }))
+            } => tokio::task::block_in_place(|| {
+                let flags = rustix::io::ReadWriteFlags::from_bits_retain(flags as u32);
+                let written = retry_interrupted(|| {
+                    rustix::io::pwritev2(file, &[io::IoSlice::new(&data)], offset, flags)
+                });
+                (written, None)
+            }),
+            Request::Fsync { datasync } => tokio::task::block_in_place(|| {
+                let synced = retry_interrupted(|| {
+                    if datasync {
+                        rustix::fs::fdatasync(file)
+                    } else {
+                        rustix::fs::fsync(file)
+                    }
+                });
+                (synced.map(|()| 0), None)
+            }),
+            other => return Err(other),
+        };
+        INLINED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(done)
     }
 
     /// Hands out the completions already posted, without entering the kernel or waiting;
@@ -543,6 +543,16 @@ impl Ring {
         let ring = Arc::downgrade(self);
         state.reaper = Some(handle.spawn(reap_forever(ring, eventfd)));
         Ok(())
+    }
+}
+
+/// Runs a system call again while a signal interrupts it.
+fn retry_interrupted<T>(mut call: impl FnMut() -> rustix::io::Result<T>) -> io::Result<T> {
+    loop {
+        match call() {
+            Err(rustix::io::Errno::INTR) => continue,
+            result => return result.map_err(io::Error::from),
+        }
     }
 }
 

@@ -396,7 +396,6 @@ impl Ring {
     /// Runs `request` as a plain system call on this thread, inside
     /// [`tokio::task::block_in_place`], when the caller runs inside [`alone`] and nothing
     /// else is in the ring; gives the request back otherwise.
-    #[allow(clippy::result_large_err)]
     fn try_inline(
         &self,
         file: &Arc<File>,

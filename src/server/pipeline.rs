@@ -144,6 +144,7 @@ pub async fn run<S: Stream>(
 ) {
     let _counted = CountedConnection::new();
     let backend = Arc::clone(&negotiated.export.backend);
+    let on_device = backend.poll_completions().is_some();
     let limits = Limits {
         size: backend.size(),
         read_only: backend.capabilities().read_only,
@@ -170,6 +171,7 @@ pub async fn run<S: Stream>(
         merging: None,
         spin: IdleSpin::new(),
         splice: stream.can_splice(),
+        on_device,
         after_large_payload: false,
     };
     let mut stopped = Box::pin(async move {
@@ -247,6 +249,9 @@ struct Pipeline {
     spin: IdleSpin,
     /// The socket takes read data straight from a pipe ([`Backend::read_to_pipe`]).
     splice: bool,
+    /// The backend is a device whose completions can be polled (`poll_completions`), not
+    /// a layer such as replication over one.
+    on_device: bool,
     /// The last request parsed carried a payload of [`LARGE_PAYLOAD`] bytes or more.
     after_large_payload: bool,
 }
@@ -742,11 +747,11 @@ impl Pipeline {
         let mut collected = 0usize;
         // A connection in the pattern of one request at a time (see `IdleSpin`) has its
         // request run by this thread, without the ring's hand-offs (`uring::alone`); only
-        // for a backend that is a device itself (`poll_completions`): a replicated write
-        // must not wait for its local half before its remote half is sent.
-        let alone = self.in_flight.len() == 1
-            && self.spin.one_at_a_time(CONNECTIONS.load(Ordering::Relaxed))
-            && self.backend.poll_completions().is_some();
+        // for a backend that is a device itself: a replicated write must not wait for its
+        // local half before its remote half is sent.
+        let alone = self.on_device
+            && self.in_flight.len() == 1
+            && self.spin.one_at_a_time(CONNECTIONS.load(Ordering::Relaxed));
         while collected < WRITE_AFTER_DATA {
             let polled = if alone {
                 crate::backend::uring::alone(|| self.in_flight.poll_next_unpin(cx))

@@ -160,7 +160,7 @@ fn sigterm_finishes_requests_in_flight_flushes_and_exits_zero() {
     }
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("disk.img");
-    let server = Server::start(&["--size", "64M", path.to_str().unwrap()]);
+    let mut server = Server::start(&["--size", "64M", path.to_str().unwrap()]);
     // A client with many writes in flight while the server is told to stop.
     let mut fio = Command::new("fio")
         .args([
@@ -175,12 +175,31 @@ fn sigterm_finishes_requests_in_flight_flushes_and_exits_zero() {
         .args(["--time_based", "--runtime=30", "--output=/dev/null"])
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(1500));
-    let log_before = server.stderr();
-    assert!(
-        log_before.contains("transmission"),
-        "fio connected:\n{log_before}"
-    );
+    // Wait until fio is in transmission, then give it a moment to fill its queue. Should
+    // anything end first, say which, and how (a signal shows as "signal: N").
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while !server.stderr().contains("transmission") {
+        if let Some(status) = server.wait_exit(Duration::ZERO) {
+            panic!(
+                "netblk ended before fio connected: {status}\n{}",
+                server.stderr()
+            );
+        }
+        if let Ok(Some(status)) = fio.try_wait() {
+            let alive = std::net::TcpStream::connect(server.tcp()).is_ok();
+            panic!(
+                "fio ended before it connected ({status}); netblk accepts connections: {alive}\n{}",
+                server.stderr()
+            );
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "fio did not connect in 15 s:\n{}",
+            server.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(500));
     let started = std::time::Instant::now();
     let status = server.stop();
     assert!(status.success(), "exit status {status}");

@@ -29,7 +29,9 @@ use std::cell::{Cell, RefCell};
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use io_uring::{opcode, squeue, types, IoUring};
@@ -103,16 +105,15 @@ pub fn inlined() -> u64 {
 }
 
 /// Runs `work` (which polls the one request a connection has in flight) with this thread's
-/// ring requests run as plain blocking system calls, inside
-/// [`tokio::task::block_in_place`], whenever they find the ring empty.
+/// ring writes and syncs run as plain blocking system calls on this thread whenever they
+/// find the ring empty (see [`Ring::run_lone`] for why that may block a worker).
 ///
 /// For a client that waits for each reply before it sends the next request (a database's
 /// write and fsync at queue depth 1), a request through the ring costs hand-offs between
 /// threads: the completion comes back through the submitting thread's task work, the
 /// eventfd, the reaper task and the connection's waker, each a wake-up across CPUs on a
 /// VM. A system call made by the connection's own thread is woken once, by the device.
-/// `block_in_place` hands the worker's other tasks to another thread meanwhile, so a slow
-/// device does not stall other connections. Measured reason: ARCHITECTURE.md, "A lone
+/// Measured reason: ARCHITECTURE.md, "A lone
 /// write or flush as a system call".
 pub fn alone<R>(work: impl FnOnce() -> R) -> R {
     struct Reset(bool);
@@ -214,7 +215,16 @@ pub struct Ring {
     in_flight: Arc<Semaphore>,
     /// Wakes the reaper to submit queued entries.
     submit_wanted: Notify,
+    /// Until when (nanoseconds since `born`) lone system calls go through
+    /// `block_in_place` because one of them was slow; see [`Ring::run_lone`].
+    hand_off_until: AtomicU64,
+    born: Instant,
 }
+
+/// A lone system call that takes longer than this marks the device as slow.
+const SLOW_LONE_CALL: Duration = Duration::from_millis(2);
+/// How long lone system calls keep handing the worker off after a slow one.
+const SLOW_DEVICE_HOLD: Duration = Duration::from_secs(1);
 
 /// One operation to submit.
 enum Request {
@@ -265,6 +275,8 @@ impl Ring {
                 handed_out: 0,
             }),
             submit_wanted: Notify::new(),
+            hand_off_until: AtomicU64::new(0),
+            born: Instant::now(),
             eventfd,
             in_flight: Arc::new(Semaphore::new(COMPLETION_ENTRIES as usize)),
         }))
@@ -393,9 +405,9 @@ impl Ring {
         }
     }
 
-    /// Runs `request` as a plain system call on this thread, inside
-    /// [`tokio::task::block_in_place`], when the caller runs inside [`alone`] and nothing
-    /// else is in the ring; gives the request back otherwise.
+    /// Runs `request` as a plain system call on this thread ([`Ring::run_lone`]) when the
+    /// caller runs inside [`alone`] and nothing else is in the ring; gives the request back
+    /// otherwise.
     fn try_inline(
         &self,
         file: &Arc<File>,
@@ -411,8 +423,8 @@ impl Ring {
         {
             return Err(request);
         }
-        // `block_in_place` needs a worker of a multi-threaded runtime to hand its other
-        // tasks to.
+        // Blocking a worker is only fair where other workers can take its tasks (and
+        // `block_in_place` needs a multi-threaded runtime).
         let multi_threaded = tokio::runtime::Handle::try_current().is_ok_and(|handle| {
             handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread
         });
@@ -431,14 +443,14 @@ impl Ring {
                 offset,
                 data,
                 flags,
-            } => tokio::task::block_in_place(|| {
+            } => self.run_lone(|| {
                 let flags = rustix::io::ReadWriteFlags::from_bits_retain(flags as u32);
                 let written = retry_interrupted(|| {
                     rustix::io::pwritev2(file, &[io::IoSlice::new(&data)], offset, flags)
                 });
                 (written, None)
             }),
-            Request::Fsync { datasync } => tokio::task::block_in_place(|| {
+            Request::Fsync { datasync } => self.run_lone(|| {
                 let synced = retry_interrupted(|| {
                     if datasync {
                         rustix::fs::fdatasync(file)
@@ -452,6 +464,39 @@ impl Ring {
         };
         INLINED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(done)
+    }
+
+    /// Runs one lone system call on this worker thread.
+    ///
+    /// Normally straight on the worker: a connection in [`alone`] has one request in flight
+    /// and the pipeline only calls it with at most half the workers busy with connections,
+    /// so tasks queued on this worker are stolen by idle ones meanwhile. Handing the worker
+    /// over with `block_in_place` instead costs two cross-thread wake-ups per request
+    /// (the worker's run queue moves to a pool thread, and the connection's next wake-up
+    /// goes there): write+fdatasync pairs at QD1 ran at 2.4–3.4k/s with it and 3.1–4.5k/s
+    /// without (ARCHITECTURE.md, "A lone write or flush as a system call"). When a call
+    /// takes longer than [`SLOW_LONE_CALL`], the device is slow enough for blocking a
+    /// worker to matter, so for [`SLOW_DEVICE_HOLD`] after it calls hand the worker over.
+    fn run_lone<R>(&self, call: impl FnOnce() -> R) -> R {
+        let since_born = |at: Instant| at.duration_since(self.born).as_nanos() as u64;
+        let started = Instant::now();
+        if since_born(started) < self.hand_off_until.load(Ordering::Relaxed) {
+            return tokio::task::block_in_place(call);
+        }
+        let result = call();
+        let finished = Instant::now();
+        if finished.duration_since(started) > SLOW_LONE_CALL {
+            self.hand_off_until
+                .store(since_born(finished + SLOW_DEVICE_HOLD), Ordering::Relaxed);
+        }
+        result
+    }
+
+    /// Whether lone system calls hand the worker over now (after a slow one).
+    #[cfg(test)]
+    fn hands_off(&self) -> bool {
+        let now = Instant::now().duration_since(self.born).as_nanos() as u64;
+        now < self.hand_off_until.load(Ordering::Relaxed)
     }
 
     /// Hands out the completions already posted, without entering the kernel or waiting;
@@ -720,6 +765,36 @@ mod tests {
             Alone(Box::pin(ring.fsync(&file, true))).await.unwrap();
         });
         assert_eq!(ring.reap_posted(), 1);
+    }
+
+    #[test]
+    fn a_slow_lone_call_makes_the_next_ones_hand_the_worker_over() {
+        let ring = Ring::new().unwrap();
+        let task_ring = Arc::clone(&ring);
+        let runtime = runtime();
+        runtime
+            .block_on(runtime.spawn(async move {
+                let ring = task_ring;
+                assert_eq!(ring.run_lone(|| 7), 7);
+                assert!(!ring.hands_off(), "a quick call blocks the worker directly");
+                ring.run_lone(|| std::thread::sleep(SLOW_LONE_CALL * 2));
+                assert!(ring.hands_off(), "a slow call marks the device as slow");
+                // Now through `block_in_place`, which only works on a worker of a
+                // multi-threaded runtime: a panic here would mean it was not used.
+                let worker = std::thread::current().id();
+                let ran_on = ring.run_lone(|| std::thread::current().id());
+                assert_eq!(ran_on, worker, "block_in_place runs the call where it is");
+                assert!(ring.hands_off());
+            }))
+            .unwrap();
+        // On a current-thread runtime `block_in_place` panics, so that proves the hand-off.
+        let on_current_thread = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            current_thread().block_on(async { ring.run_lone(|| ()) })
+        }));
+        assert!(
+            on_current_thread.is_err(),
+            "a marked ring hands the worker over"
+        );
     }
 
     #[test]

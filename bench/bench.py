@@ -712,9 +712,10 @@ def fs_report(fs_selected, results, errors, rounds, elapsed):
              f"({rounds} round{'s' if rounds != 1 else ''}, servers interleaved, {elapsed / 60:.1f} min). "
              "Machine: " + "; ".join(machine) + ".", "",
              f"Each run starts the server afresh on a new {FS_SIZE >> 30} GiB sparse file on /var/tmp (the "
-             "server command lines of the file rows above: netblk with its default page-cache backend, "
-             "nbdkit's file plugin, qemu-nbd `--cache=none --aio=io_uring`), then "
-             "`nbdfuse MNT nbd://127.0.0.1:PORT` (all three advertise multi-conn, so nbdfuse opens 4 "
+             "server command lines of the file rows above: netblk with its default page-cache backend "
+             "(netblk-file) and with `--cache none` (netblk-direct), nbdkit's file plugin, qemu-nbd "
+             "`--cache=none --aio=io_uring`), then "
+             "`nbdfuse MNT nbd://127.0.0.1:PORT` (all of them advertise multi-conn, so nbdfuse opens 4 "
              "connections), `losetup --find --show --direct-io=on MNT/nbd`, "
              "`mkfs.ext4 -q -F -E lazy_itable_init=0,lazy_journal_init=0`, mount, and "
              f"`bonnie++ -d FS -u root -q {' '.join(params['args'])}`. The local row is the same ext4 on a "

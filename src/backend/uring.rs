@@ -97,11 +97,11 @@ thread_local! {
 }
 
 /// Requests run as plain system calls by [`alone`] so far, across the process.
-static INLINED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static INLINED: AtomicU64 = AtomicU64::new(0);
 
 /// How many requests ran as plain system calls under [`alone`] so far.
 pub fn inlined() -> u64 {
-    INLINED.load(std::sync::atomic::Ordering::Relaxed)
+    INLINED.load(Ordering::Relaxed)
 }
 
 /// Runs `work` (which polls the one request a connection has in flight) with this thread's
@@ -113,8 +113,7 @@ pub fn inlined() -> u64 {
 /// threads: the completion comes back through the submitting thread's task work, the
 /// eventfd, the reaper task and the connection's waker, each a wake-up across CPUs on a
 /// VM. A system call made by the connection's own thread is woken once, by the device.
-/// Measured reason: ARCHITECTURE.md, "A lone
-/// write or flush as a system call".
+/// Measured reason: ARCHITECTURE.md, "A lone write or flush as a system call".
 pub fn alone<R>(work: impl FnOnce() -> R) -> R {
     struct Reset(bool);
     impl Drop for Reset {
@@ -462,7 +461,7 @@ impl Ring {
             }),
             other => return Err(other),
         };
-        INLINED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        INLINED.fetch_add(1, Ordering::Relaxed);
         Ok(done)
     }
 
@@ -473,30 +472,34 @@ impl Ring {
     /// so tasks queued on this worker are stolen by idle ones meanwhile. Handing the worker
     /// over with `block_in_place` instead costs two cross-thread wake-ups per request
     /// (the worker's run queue moves to a pool thread, and the connection's next wake-up
-    /// goes there): write+fdatasync pairs at QD1 ran at 2.4–3.4k/s with it and 3.1–4.5k/s
-    /// without (ARCHITECTURE.md, "A lone write or flush as a system call"). When a call
+    /// goes there; measured in ARCHITECTURE.md, "A lone write or flush as a system call").
+    /// When a call
     /// takes longer than [`SLOW_LONE_CALL`], the device is slow enough for blocking a
     /// worker to matter, so for [`SLOW_DEVICE_HOLD`] after it calls hand the worker over.
     fn run_lone<R>(&self, call: impl FnOnce() -> R) -> R {
-        let since_born = |at: Instant| at.duration_since(self.born).as_nanos() as u64;
         let started = Instant::now();
-        if since_born(started) < self.hand_off_until.load(Ordering::Relaxed) {
+        if self.hands_off_at(started) {
             return tokio::task::block_in_place(call);
         }
         let result = call();
         let finished = Instant::now();
         if finished.duration_since(started) > SLOW_LONE_CALL {
+            let until = (finished + SLOW_DEVICE_HOLD).duration_since(self.born);
             self.hand_off_until
-                .store(since_born(finished + SLOW_DEVICE_HOLD), Ordering::Relaxed);
+                .store(until.as_nanos() as u64, Ordering::Relaxed);
         }
         result
     }
 
-    /// Whether lone system calls hand the worker over now (after a slow one).
+    /// Whether lone system calls hand the worker over at `at` (within a second of a slow one).
+    fn hands_off_at(&self, at: Instant) -> bool {
+        let since_born = at.duration_since(self.born).as_nanos() as u64;
+        since_born < self.hand_off_until.load(Ordering::Relaxed)
+    }
+
     #[cfg(test)]
     fn hands_off(&self) -> bool {
-        let now = Instant::now().duration_since(self.born).as_nanos() as u64;
-        now < self.hand_off_until.load(Ordering::Relaxed)
+        self.hands_off_at(Instant::now())
     }
 
     /// Hands out the completions already posted, without entering the kernel or waiting;

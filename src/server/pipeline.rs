@@ -1044,7 +1044,7 @@ impl IdleSpin {
     /// Whether the connection is in the pattern a spin pays for: a run of single-request
     /// busy periods, no pause, and few enough connections on the server.
     fn in_pattern(&self, connections: usize) -> bool {
-        self.singles >= SPIN_AFTER_SINGLES && self.paused == 0 && connections <= self.max_spinners
+        self.paused == 0 && self.one_at_a_time(connections)
     }
 
     /// Whether the connection has sent one request per busy period for a while, and the

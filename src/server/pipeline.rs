@@ -1770,6 +1770,64 @@ mod tests {
         assert!(stored.bytes()[..] == data[..], "the pieces landed in place");
     }
 
+    /// Large writes with nothing between them, over a real socket: whether a payload is
+    /// read straight into its own buffer or copied from the read buffer depends on where
+    /// each socket read ends, and every byte still lands where its write said, including a
+    /// small write and a read that follow.
+    #[tokio::test]
+    async fn large_writes_sent_back_to_back_with_nothing_between_land_whole() {
+        let backend = Arc::new(CountingReads::new(None));
+        let (client, server) = tokio::net::UnixStream::pair().unwrap();
+        let client =
+            serve_and_negotiate(Arc::clone(&backend) as Arc<dyn Backend>, client, server).await;
+        let sizes = [
+            MIN_POOLED,
+            4 * MIN_POOLED,
+            MIN_POOLED + 1,
+            LARGE_PAYLOAD as usize + 17,
+            3,
+            2 * MIN_POOLED,
+        ];
+        let mut stream = Vec::new();
+        let mut expected = Vec::new();
+        let mut at = 0u64;
+        for (i, &len) in sizes.iter().enumerate() {
+            let data: Vec<u8> = (0..len).map(|j| ((i * 13 + j * 5) % 253) as u8).collect();
+            stream.extend(request(cmd::WRITE, 0, i as u64, at, len as u64));
+            stream.extend(&data);
+            expected.push((at, data));
+            at += len as u64;
+        }
+        let first = expected[0].1.clone();
+        stream.extend(request(cmd::READ, 0, 99, 0, first.len() as u64));
+        let (mut rx, mut tx) = client.into_split();
+        let sender = tokio::spawn(async move { tx.write_all(&stream).await.unwrap() });
+        let mut answered = 0;
+        let mut read_back = Vec::new();
+        while answered < sizes.len() + 1 {
+            let (flags, kind, cookie, payload) = read_chunk(&mut rx).await;
+            assert!(kind != reply::TYPE_ERROR, "cookie {cookie} failed");
+            if cookie == 99 && kind == reply::TYPE_OFFSET_DATA {
+                read_back.extend_from_slice(&payload[8..]);
+            }
+            if flags & reply::FLAG_DONE != 0 {
+                answered += 1;
+            }
+        }
+        sender.await.unwrap();
+        assert!(
+            read_back == first,
+            "the read after the writes returned other data"
+        );
+        for (offset, data) in expected {
+            let stored = backend.inner.read(offset, data.len()).await.unwrap();
+            assert!(
+                stored.bytes()[..] == data[..],
+                "write at {offset} landed wrong"
+            );
+        }
+    }
+
     /// Large writes sent back to back, with small requests among them, all land in place:
     /// after each large payload the socket is read a little at a time, so the next header
     /// and the first bytes of its payload arrive in the read buffer and the rest straight

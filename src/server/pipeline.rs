@@ -1770,16 +1770,32 @@ mod tests {
         assert!(stored.bytes()[..] == data[..], "the pieces landed in place");
     }
 
+    /// Serves `backend` over a real socket pair (not an in-memory pipe, so socket reads end
+    /// where the kernel's buffers do) and negotiates structured replies.
+    async fn over_a_socket(backend: &Arc<CountingReads>) -> tokio::net::UnixStream {
+        let (client, server) = tokio::net::UnixStream::pair().unwrap();
+        serve_and_negotiate(Arc::clone(backend) as Arc<dyn Backend>, client, server).await
+    }
+
+    /// Asserts that each `(offset, data)` write is what the backend now holds there.
+    async fn assert_landed(backend: &CountingReads, expected: Vec<(u64, Vec<u8>)>) {
+        for (offset, data) in expected {
+            let stored = backend.inner.read(offset, data.len()).await.unwrap();
+            assert!(
+                stored.bytes()[..] == data[..],
+                "write at {offset} landed wrong"
+            );
+        }
+    }
+
     /// Large writes with nothing between them, over a real socket: whether a payload is
     /// read straight into its own buffer or copied from the read buffer depends on where
-    /// each socket read ends, and every byte still lands where its write said, including a
-    /// small write and a read that follow.
+    /// each socket read ends, and every byte still lands where its write said, a small write
+    /// among them included, and a read after them returns what was written.
     #[tokio::test]
     async fn large_writes_sent_back_to_back_with_nothing_between_land_whole() {
         let backend = Arc::new(CountingReads::new(None));
-        let (client, server) = tokio::net::UnixStream::pair().unwrap();
-        let client =
-            serve_and_negotiate(Arc::clone(&backend) as Arc<dyn Backend>, client, server).await;
+        let client = over_a_socket(&backend).await;
         let sizes = [
             MIN_POOLED,
             4 * MIN_POOLED,
@@ -1819,13 +1835,7 @@ mod tests {
             read_back == first,
             "the read after the writes returned other data"
         );
-        for (offset, data) in expected {
-            let stored = backend.inner.read(offset, data.len()).await.unwrap();
-            assert!(
-                stored.bytes()[..] == data[..],
-                "write at {offset} landed wrong"
-            );
-        }
+        assert_landed(&backend, expected).await;
     }
 
     /// Large writes sent back to back, with small requests among them, all land in place:
@@ -1835,9 +1845,7 @@ mod tests {
     #[tokio::test]
     async fn large_writes_sent_back_to_back_land_whole_with_small_requests_between() {
         let backend = Arc::new(CountingReads::new(None));
-        let (client, server) = tokio::net::UnixStream::pair().unwrap();
-        let client =
-            serve_and_negotiate(Arc::clone(&backend) as Arc<dyn Backend>, client, server).await;
+        let client = over_a_socket(&backend).await;
         let sizes = [
             LARGE_PAYLOAD as usize,
             LARGE_PAYLOAD as usize + 17,
@@ -1868,13 +1876,7 @@ mod tests {
             answered += 1;
         }
         sender.await.unwrap();
-        for (offset, data) in expected {
-            let stored = backend.inner.read(offset, data.len()).await.unwrap();
-            assert!(
-                stored.bytes()[..] == data[..],
-                "write at {offset} landed wrong"
-            );
-        }
+        assert_landed(&backend, expected).await;
     }
 
     #[tokio::test]

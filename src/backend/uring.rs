@@ -473,9 +473,9 @@ impl Ring {
     /// over with `block_in_place` instead costs two cross-thread wake-ups per request
     /// (the worker's run queue moves to a pool thread, and the connection's next wake-up
     /// goes there; measured in ARCHITECTURE.md, "A lone write or flush as a system call").
-    /// When a call
-    /// takes longer than [`SLOW_LONE_CALL`], the device is slow enough for blocking a
-    /// worker to matter, so for [`SLOW_DEVICE_HOLD`] after it calls hand the worker over.
+    /// When a call takes longer than [`SLOW_LONE_CALL`], the device is slow enough for
+    /// blocking a worker to matter, so for [`SLOW_DEVICE_HOLD`] after it calls hand the
+    /// worker over.
     fn run_lone<R>(&self, call: impl FnOnce() -> R) -> R {
         let started = Instant::now();
         if self.hands_off_at(started) {

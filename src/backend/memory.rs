@@ -19,7 +19,13 @@ pub const PAGE_SIZE: u64 = 64 * 1024;
 const SHARDS: u64 = 64;
 
 /// A page, shared with the reads that hold it; writable in place only when nobody else does.
-type Page = Arc<[u8]>;
+///
+/// The reference count lives in a small allocation of its own rather than at the head of
+/// the 64 KiB page. Measured reason: on random 4 KiB reads the count's increment was two
+/// thirds of the page lookup (a cache miss on a line the read does not otherwise touch);
+/// with the count apart, the lookup's share of the server's CPU fell from 8.3–8.9% to
+/// 6.7–7.4% (perf, memory export, QD32, two profiles each).
+type Page = Arc<Box<[u8]>>;
 
 /// What unwritten memory reads as.
 static ZERO_PAGE: [u8; PAGE_SIZE as usize] = [0; PAGE_SIZE as usize];
@@ -35,14 +41,14 @@ impl AsRef<[u8]> for PageRef {
 
 /// A new page of zeroes.
 fn zero_page() -> Page {
-    Arc::from(&ZERO_PAGE[..])
+    Arc::new(Box::from(&ZERO_PAGE[..]))
 }
 
 /// The page's bytes to write into: in place when no read holds it, else a copy that
 /// replaces it in the table (the reads keep the old one).
 fn writable(page: &mut Page) -> &mut [u8] {
     if Arc::get_mut(page).is_none() {
-        *page = Arc::from(&page[..]);
+        *page = Arc::new(Box::from(&page[..]));
     }
     Arc::get_mut(page).expect("a page just copied has no other holder")
 }

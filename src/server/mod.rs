@@ -4,6 +4,7 @@
 //! shutdown future. On shutdown it stops accepting, lets every connection finish the
 //! requests it has in flight, flushes every export and returns.
 
+mod coalesce;
 pub mod handshake;
 pub mod pipeline;
 pub mod validate;

@@ -45,6 +45,7 @@ use tokio::io::{AsyncWriteExt, ReadBuf};
 use tokio::sync::watch;
 use tracing::{debug, warn};
 
+use super::coalesce::{Coalesce, Gathered};
 use super::handshake::Negotiated;
 use super::validate::{validate, Command, Limits};
 use super::Stream;
@@ -170,6 +171,7 @@ pub async fn run<S: Stream>(
         max_merge,
         merging: None,
         spin: IdleSpin::new(),
+        coalesce: Coalesce::default(),
         splice: stream.can_splice(),
         on_device,
         after_large_payload: false,
@@ -247,6 +249,8 @@ struct Pipeline {
     stop_seen: bool,
     /// Busy-polls the socket for a moment before sleeping (see [`IdleSpin`]).
     spin: IdleSpin,
+    /// Naps before reading while that lets requests gather (see `super::coalesce`).
+    coalesce: Coalesce,
     /// The socket takes read data straight from a pipe ([`Backend::read_to_pipe`]).
     splice: bool,
     /// The backend is a device whose completions can be polled (`poll_completions`), not
@@ -270,6 +274,17 @@ impl Pipeline {
             self.reading = false;
             self.ending = why.into();
         }
+    }
+
+    /// Every request read so far is answered and its reply written, and the connection
+    /// is between requests (no payload half read).
+    fn all_answered(&self) -> bool {
+        self.reading
+            && !self.eof
+            && self.in_flight.is_empty()
+            && self.outq.is_empty()
+            && self.discard_left == 0
+            && self.awaiting_payload.is_none()
     }
 
     fn can_admit(&self) -> bool {
@@ -397,6 +412,7 @@ impl Pipeline {
             };
             self.inbuf.advance(header_len);
             self.spin.request();
+            self.coalesce.request();
             self.after_large_payload =
                 header.payload_len(self.limits.style) >= u64::from(LARGE_PAYLOAD);
             if header.command == cmd::DISC {
@@ -837,7 +853,22 @@ impl Pipeline {
             progressed |= crate::backend::uring::plugged(|| self.start_and_complete(cx));
             if !self.outq.is_empty() {
                 match self.poll_write(cx, stream.as_mut()) {
-                    Poll::Ready(Ok(wrote)) => progressed |= wrote,
+                    Poll::Ready(Ok(wrote)) => {
+                        progressed |= wrote;
+                        if wrote && self.all_answered() {
+                            let gather = self.coalesce.replied(CONNECTIONS.load(Ordering::Relaxed));
+                            if let Some(fd) = stream.socket_fd().filter(|_| gather) {
+                                match self.coalesce.gather(fd, &mut self.inbuf) {
+                                    Gathered::Nothing => {}
+                                    Gathered::Bytes => self.spin.got_bytes(),
+                                    Gathered::Closed => self.eof = true,
+                                    Gathered::Failed(e) => {
+                                        self.stop_reading(format!("read failed: {e}"))
+                                    }
+                                }
+                            }
+                        }
+                    }
                     Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
                     Poll::Pending => {}
                 }

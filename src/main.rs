@@ -11,7 +11,7 @@ use clap::{Parser, Subcommand};
 use netblk::backend::{BackingSpec, CacheMode};
 use netblk::config::{Config, ExportConfig};
 use netblk::listen::ListenAddr;
-use netblk::server::{serve, Export, ServerConfig, DEFAULT_MAX_MERGE};
+use netblk::server::{serve_on, ConnectionThreads, Export, ServerConfig, DEFAULT_MAX_MERGE};
 use netblk::size::parse_size;
 use netblk::wire::MAX_PAYLOAD;
 
@@ -279,15 +279,24 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     if handshake_timeout.is_zero() {
         bail!("--handshake-timeout must be above zero");
     }
-    let mut runtime = tokio::runtime::Builder::new_multi_thread();
-    if let Some(threads) = args.threads {
-        runtime.worker_threads(usize::from(threads));
-    }
-    let runtime = runtime.enable_all().build().context("starting tokio")?;
+    let connection_threads = match args.threads {
+        Some(threads) => usize::from(threads),
+        None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+    };
+    // Connections run on threads of their own (`server::ConnectionThreads`), except those
+    // to direct-I/O exports; this runtime accepts and negotiates, serves those, and runs
+    // the shared tasks (signals, the io_uring reaper).
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(connection_threads)
+        .enable_all()
+        .build()
+        .context("starting tokio")?;
     runtime.block_on(async move {
         // Handlers go in before "listening on" is printed, so a signal sent as soon as the
-        // server reports ready is never taken with the default (fatal) action.
+        // server reports ready is never taken with the default (fatal) action; the
+        // connection threads start before it too.
         let shutdown = shutdown_signal()?;
+        let threads = ConnectionThreads::start(connection_threads)?;
         let mut listeners = Vec::new();
         for addr in &addrs {
             listeners.push(addr.bind().await?);
@@ -303,7 +312,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
             handshake_timeout,
             max_merge,
         };
-        serve(listeners, config, shutdown).await
+        serve_on(listeners, config, shutdown, Some(threads)).await
     })
 }
 

@@ -338,6 +338,62 @@ fn nbdcopy_uses_four_connections_with_multi_conn() {
     assert_same_file(&out, &source);
 }
 
+/// CPU ticks (user + system) each thread of `pid` named `netblk-conn-*` has used.
+fn connection_thread_ticks(pid: u32) -> Vec<u64> {
+    let mut ticks = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).expect("the server's threads") {
+        let dir = task.expect("a thread").path();
+        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+        if !comm.starts_with("netblk-conn-") {
+            continue;
+        }
+        let stat = std::fs::read_to_string(dir.join("stat")).expect("the thread's stat");
+        // Fields after the command name (which is in parentheses): utime is the 12th
+        // and stime the 13th of them.
+        let after = &stat[stat.rfind(')').expect("a command name") + 2..];
+        let fields: Vec<&str> = after.split_whitespace().collect();
+        ticks.push(fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap());
+    }
+    ticks
+}
+
+#[test]
+fn connections_spread_over_the_connection_threads_and_each_serves_correctly() {
+    if !have("nbdcopy") {
+        return;
+    }
+    let dir = tempdir();
+    let source = dir.path().join("source.img");
+    pattern_file(&source, 256 * MIB, 106);
+    let server = Server::start(&["--threads", "2", "memory:256M"]);
+    // The threads run before the server says it is listening.
+    assert_eq!(
+        connection_thread_ticks(server.pid()).len(),
+        2,
+        "one connection thread per --threads"
+    );
+    let before = connection_thread_ticks(server.pid());
+    // Four connections at once: each thread gets two of them, and both do the work.
+    run(Command::new("nbdcopy")
+        .args(["--connections=4", "--threads=4", "--flush"])
+        .arg(&source)
+        .arg(server.uri()));
+    let out = dir.path().join("out.img");
+    run(Command::new("nbdcopy")
+        .args(["--connections=4", "--threads=4"])
+        .arg(server.uri())
+        .arg(&out));
+    assert_same_file(&out, &source);
+    let after = connection_thread_ticks(server.pid());
+    for (thread, (b, a)) in before.iter().zip(&after).enumerate() {
+        assert!(
+            a > b,
+            "connection thread {thread} did no work ({b} → {a} ticks):\n{}",
+            server.stderr()
+        );
+    }
+}
+
 // 5. nbdsh and python libnbd
 
 #[test]

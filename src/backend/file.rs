@@ -760,6 +760,10 @@ impl Backend for FileBackend {
     fn poll_completions(&self) -> Option<u64> {
         Some(self.ring.reap_posted())
     }
+
+    fn completes_through_ring(&self) -> bool {
+        self.cache == CacheMode::None
+    }
 }
 
 impl std::fmt::Debug for FileBackend {

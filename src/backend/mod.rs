@@ -310,6 +310,13 @@ pub trait Backend: Send + Sync + 'static {
     fn read_to_pipe(&self, _offset: u64, _length: usize) -> Option<splice::Spliced> {
         None
     }
+    /// Whether most requests complete through a device's io_uring ring (direct I/O),
+    /// whose completions a reaper task hands out. A server that runs connections on
+    /// threads of their own keeps these on its shared runtime instead, where an idle
+    /// worker runs the reaper beside the connection (see `server::ConnectionThreads`).
+    fn completes_through_ring(&self) -> bool {
+        false
+    }
 }
 
 /// How a file or block device export uses the kernel's page cache.

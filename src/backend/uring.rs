@@ -422,12 +422,16 @@ impl Ring {
         {
             return Err(request);
         }
-        // Blocking a worker is only fair where other workers can take its tasks (and
-        // `block_in_place` needs a multi-threaded runtime).
-        let multi_threaded = tokio::runtime::Handle::try_current().is_ok_and(|handle| {
-            handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread
-        });
-        if !multi_threaded {
+        // On a worker of a multi-threaded runtime, or on a connection thread of its own
+        // (`server::ConnectionThreads`), whose other connections wait meanwhile; the
+        // pipeline runs requests alone only with few connections. A slow device's calls
+        // are handed over with `block_in_place`, which needs a multi-threaded runtime, and
+        // go through the ring on a single-threaded one.
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            return Err(request);
+        };
+        let multi_threaded = handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread;
+        if !multi_threaded && self.hands_off_at(Instant::now()) {
             return Err(request);
         }
         {
@@ -478,7 +482,9 @@ impl Ring {
     /// worker over.
     fn run_lone<R>(&self, call: impl FnOnce() -> R) -> R {
         let started = Instant::now();
-        if self.hands_off_at(started) {
+        let multi_threaded = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        if multi_threaded && self.hands_off_at(started) {
             return tokio::task::block_in_place(call);
         }
         let result = call();
@@ -571,7 +577,8 @@ impl Ring {
         }
     }
 
-    /// Starts the reaper on the current runtime unless one is already running there.
+    /// Starts the reaper unless one is already running: on the runtime named by
+    /// [`set_reaper_runtime`], else on the current one.
     fn ensure_reaper(self: &Arc<Self>, state: &mut RingState) -> io::Result<()> {
         if state
             .reaper
@@ -580,8 +587,15 @@ impl Ring {
         {
             return Ok(());
         }
-        let handle = tokio::runtime::Handle::try_current()
-            .map_err(|_| io::Error::other("io_uring submissions need a tokio runtime"))?;
+        let named = REAPER_RUNTIME
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let handle = match named {
+            Some(handle) => handle,
+            None => tokio::runtime::Handle::try_current()
+                .map_err(|_| io::Error::other("io_uring submissions need a tokio runtime"))?,
+        };
         let eventfd = self.eventfd.try_clone()?;
         // SAFETY: the `AsyncFd` owns this duplicate descriptor (an `OwnedFd`), so it stays
         // open and names the same eventfd until the `AsyncFd` is dropped.
@@ -591,6 +605,18 @@ impl Ring {
         state.reaper = Some(handle.spawn(reap_forever(ring, eventfd)));
         Ok(())
     }
+}
+
+/// Where rings start their reapers, when set (see [`set_reaper_runtime`]).
+static REAPER_RUNTIME: std::sync::Mutex<Option<tokio::runtime::Handle>> =
+    std::sync::Mutex::new(None);
+
+/// Names the runtime that rings start their reapers on from now (`None`: the runtime of
+/// the request that starts one). A server whose connections each run on a thread of their
+/// own names a shared runtime here, so that completions are handed out by a task that no
+/// busy connection holds up, whichever thread submitted them.
+pub fn set_reaper_runtime(handle: Option<tokio::runtime::Handle>) {
+    *REAPER_RUNTIME.lock().unwrap_or_else(|e| e.into_inner()) = handle;
 }
 
 /// Runs a system call again while a signal interrupts it.
@@ -762,12 +788,23 @@ mod tests {
         assert!(back[..4096].iter().all(|&b| b == 6));
         assert!(back[4096..8192].iter().all(|&b| b == 0));
         assert!(back[8192..].iter().all(|&b| b == 5));
-        // A one-thread runtime has no worker to hand tasks to: everything uses the ring.
+        // On a one-thread runtime (a connection thread of its own) a lone call runs on
+        // the thread as well ...
         let ring = Ring::new().unwrap();
+        let inlined_before = inlined();
         current_thread().block_on(async {
             Alone(Box::pin(ring.fsync(&file, true))).await.unwrap();
         });
-        assert_eq!(ring.reap_posted(), 1);
+        assert_eq!(ring.reap_posted(), 0, "nothing went through the ring");
+        assert!(inlined() > inlined_before);
+        // ... until the device is slow: a slow call cannot be handed over there (no
+        // `block_in_place`), so the next ones go through the ring instead.
+        current_thread().block_on(async {
+            ring.run_lone(|| std::thread::sleep(SLOW_LONE_CALL * 2));
+            assert!(ring.hands_off());
+            Alone(Box::pin(ring.fsync(&file, true))).await.unwrap();
+        });
+        assert_eq!(ring.reap_posted(), 1, "the sync went through the ring");
     }
 
     #[test]
@@ -790,14 +827,12 @@ mod tests {
                 assert!(ring.hands_off());
             }))
             .unwrap();
-        // On a current-thread runtime `block_in_place` panics, so that proves the hand-off.
-        let on_current_thread = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            current_thread().block_on(async { ring.run_lone(|| ()) })
-        }));
-        assert!(
-            on_current_thread.is_err(),
-            "a marked ring hands the worker over"
-        );
+        // On a current-thread runtime `block_in_place` would panic: a marked ring runs
+        // the call where it is there (`try_inline` keeps such calls in the ring).
+        let thread = std::thread::current().id();
+        let ran_on =
+            current_thread().block_on(async { ring.run_lone(|| std::thread::current().id()) });
+        assert_eq!(ran_on, thread);
     }
 
     #[test]

@@ -1006,9 +1006,11 @@ struct IdleSpin {
 
 impl IdleSpin {
     fn new() -> Self {
+        // Connection threads of their own count as workers (see `ConnectionThreads`).
         let workers = tokio::runtime::Handle::try_current()
             .map(|h| h.metrics().num_workers())
-            .unwrap_or(1);
+            .unwrap_or(1)
+            .max(super::CONNECTION_THREADS.load(Ordering::Acquire));
         IdleSpin {
             window: Duration::ZERO,
             idle_since: None,

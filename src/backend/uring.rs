@@ -427,10 +427,9 @@ impl Ring {
         // pipeline runs requests alone only with few connections. A slow device's calls
         // are handed over with `block_in_place`, which needs a multi-threaded runtime, and
         // go through the ring on a single-threaded one.
-        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+        let Some(multi_threaded) = on_multi_threaded_runtime() else {
             return Err(request);
         };
-        let multi_threaded = handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread;
         if !multi_threaded && self.hands_off_at(Instant::now()) {
             return Err(request);
         }
@@ -482,9 +481,7 @@ impl Ring {
     /// worker over.
     fn run_lone<R>(&self, call: impl FnOnce() -> R) -> R {
         let started = Instant::now();
-        let multi_threaded = tokio::runtime::Handle::try_current()
-            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-        if multi_threaded && self.hands_off_at(started) {
+        if on_multi_threaded_runtime() == Some(true) && self.hands_off_at(started) {
             return tokio::task::block_in_place(call);
         }
         let result = call();
@@ -617,6 +614,13 @@ static REAPER_RUNTIME: std::sync::Mutex<Option<tokio::runtime::Handle>> =
 /// busy connection holds up, whichever thread submitted them.
 pub fn set_reaper_runtime(handle: Option<tokio::runtime::Handle>) {
     *REAPER_RUNTIME.lock().unwrap_or_else(|e| e.into_inner()) = handle;
+}
+
+/// Whether the caller runs on a multi-threaded tokio runtime (`block_in_place` works
+/// there); `None` outside any runtime.
+fn on_multi_threaded_runtime() -> Option<bool> {
+    let handle = tokio::runtime::Handle::try_current().ok()?;
+    Some(handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
 }
 
 /// Runs a system call again while a signal interrupts it.

@@ -12,8 +12,9 @@ pub mod validate;
 use std::future::Future;
 use std::os::fd::BorrowedFd;
 use std::path::PathBuf;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -158,23 +159,8 @@ async fn accept_loop(
                 let (config, stop, alive) = (Arc::clone(&config), stop.clone(), alive.clone());
                 match &threads {
                     Some(threads) => {
-                        let threads = Arc::clone(threads);
-                        let task = async move {
-                            match stream {
-                                Accepted::Tcp(s) => match tokio::net::TcpStream::from_std(s) {
-                                    Ok(s) => {
-                                        place_connection(s, config, stop, alive, threads).await
-                                    }
-                                    Err(e) => warn!("registering the connection failed: {e}"),
-                                },
-                                Accepted::Unix(s) => match tokio::net::UnixStream::from_std(s) {
-                                    Ok(s) => {
-                                        place_connection(s, config, stop, alive, threads).await
-                                    }
-                                    Err(e) => warn!("registering the connection failed: {e}"),
-                                },
-                            }
-                        };
+                        let task =
+                            place_connection(stream, config, stop, alive, Arc::clone(threads));
                         tokio::spawn(task.instrument(span));
                     }
                     None => match stream.register() {
@@ -344,11 +330,11 @@ pub struct ConnectionThreads {
 struct ConnectionThread {
     handle: tokio::runtime::Handle,
     connections: Arc<AtomicUsize>,
-    stop: Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
 /// Connection threads in this process (the idle spin counts them as workers).
-pub static CONNECTION_THREADS: AtomicUsize = AtomicUsize::new(0);
+pub(crate) static CONNECTION_THREADS: AtomicUsize = AtomicUsize::new(0);
 
 impl ConnectionThreads {
     /// Starts `count` threads, each running a runtime until the value is dropped.
@@ -363,7 +349,7 @@ impl ConnectionThreads {
             runtimes.push(ConnectionThread {
                 handle: runtime.handle().clone(),
                 connections: Arc::new(AtomicUsize::new(0)),
-                stop: Mutex::new(Some(stop_tx)),
+                stop: Some(stop_tx),
             });
             threads.push(
                 std::thread::Builder::new()
@@ -413,13 +399,8 @@ impl ConnectionThreads {
 
 impl Drop for ConnectionThreads {
     fn drop(&mut self) {
-        for runtime in &self.runtimes {
-            if let Some(stop) = runtime
-                .stop
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .take()
-            {
+        for runtime in &mut self.runtimes {
+            if let Some(stop) = runtime.stop.take() {
                 let _ = stop.send(());
             }
         }
@@ -463,7 +444,31 @@ impl Unregister for tokio::net::UnixStream {
 
 /// Negotiates on this runtime, then serves the connection on a connection thread, or
 /// here when its export completes through a ring (see [`ConnectionThreads`]).
-async fn place_connection<S: Unregister>(
+async fn place_connection(
+    stream: Accepted,
+    config: Arc<ServerConfig>,
+    stop: watch::Receiver<bool>,
+    alive: mpsc::Sender<()>,
+    threads: Arc<ConnectionThreads>,
+) {
+    let registered = match stream {
+        Accepted::Tcp(s) => tokio::net::TcpStream::from_std(s).map(|s| {
+            Box::pin(place_registered(s, config, stop, alive, threads))
+                as Pin<Box<dyn Future<Output = ()> + Send>>
+        }),
+        Accepted::Unix(s) => tokio::net::UnixStream::from_std(s).map(|s| {
+            Box::pin(place_registered(s, config, stop, alive, threads))
+                as Pin<Box<dyn Future<Output = ()> + Send>>
+        }),
+    };
+    match registered {
+        Ok(task) => task.await,
+        Err(e) => warn!("registering the connection failed: {e}"),
+    }
+}
+
+/// [`place_connection`] for a socket registered with this runtime.
+async fn place_registered<S: Unregister>(
     mut stream: S,
     config: Arc<ServerConfig>,
     mut stop: watch::Receiver<bool>,

@@ -337,10 +337,12 @@ struct ConnectionThread {
 pub(crate) static CONNECTION_THREADS: AtomicUsize = AtomicUsize::new(0);
 
 impl ConnectionThreads {
-    /// Starts `count` threads, each running a runtime until the value is dropped.
+    /// Starts `count` threads, each running a runtime until the value is dropped; returns
+    /// once every thread runs.
     pub fn start(count: usize) -> std::io::Result<ConnectionThreads> {
         let mut runtimes = Vec::with_capacity(count);
         let mut threads = Vec::with_capacity(count);
+        let (running_tx, running_rx) = std::sync::mpsc::channel::<()>();
         for index in 0..count {
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -351,15 +353,23 @@ impl ConnectionThreads {
                 connections: Arc::new(AtomicUsize::new(0)),
                 stop: Some(stop_tx),
             });
+            let running = running_tx.clone();
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("netblk-conn-{index}"))
                     .spawn(move || {
+                        let _ = running.send(());
                         runtime.block_on(async {
                             let _ = stop_rx.await;
                         });
                     })?,
             );
+        }
+        drop(running_tx);
+        // Each thread has its name once it runs: the server is whole before it says it
+        // is listening.
+        for _ in 0..count {
+            let _ = running_rx.recv();
         }
         CONNECTION_THREADS.fetch_add(count, Ordering::AcqRel);
         Ok(ConnectionThreads { runtimes, threads })

@@ -1,0 +1,123 @@
+#!/usr/bin/python3
+"""A/B comparison of netblk builds or settings, interleaved with the reference servers, on the
+same fio jobs as bench.py. For deciding whether a change helps before it lands; it prints a
+table and writes nothing into the repository.
+
+    # two binaries, the memory rows of one workload, three interleaved rounds
+    /usr/bin/python3 bench/ab.py --variant new=target/release/netblk --variant old=/tmp/netblk-old \\
+        --backends mem --with nbdkit-mem --only curve-write-256k --rounds 3
+
+    # one binary with and without an environment setting (NETBLK_ prefix added)
+    /usr/bin/python3 bench/ab.py --variant base=target/release/netblk \\
+        --variant nap=target/release/netblk:COALESCE_NAP_US=40 --only randread-qd32
+
+A variant is NAME=PATH[:VAR=VALUE,...]; each gives rows NAME-mem, NAME-file (page cache) and
+NAME-direct (--cache=none), narrowed by --backends. --with adds bench.py's own rows (nbdkit-mem,
+nbdkit-file, qemu-nbd-file, local-io_uring). Server CPU time per request is from /proc, as in
+bench.py. Standard library only.
+"""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench  # noqa: E402
+
+
+class EnvServer(bench.Server):
+    """A netblk row started with extra environment settings."""
+
+    def __init__(self, name, kind, argv, env):
+        super().__init__(name, kind, argv)
+        self.env = env
+
+    def start(self, port, backing):
+        argv = [a.format(port=port, file=backing, size=bench.SIZE) for a in self.argv]
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True,
+                                env={**os.environ, **self.env})
+        bench.wait_port(port, proc)
+        return proc
+
+
+def parse_variant(text):
+    name, _, rest = text.partition("=")
+    path, _, settings = rest.partition(":")
+    if not name or not path:
+        raise SystemExit(f"--variant {text!r}: want NAME=PATH[:VAR=VALUE,...]")
+    env = {}
+    for item in filter(None, settings.split(",")):
+        var, _, value = item.partition("=")
+        env[var if var.startswith("NETBLK_") else "NETBLK_" + var] = value
+    return name, os.path.abspath(path), env
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variant", action="append", required=True, help="NAME=PATH[:VAR=VALUE,...]")
+    parser.add_argument("--backends", nargs="*", default=["mem", "file", "direct"])
+    parser.add_argument("--with", dest="others", nargs="*", default=[], help="bench.py rows to add")
+    parser.add_argument("--only", nargs="*", help="workload names or prefixes")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--runtime", type=int, default=3)
+    args = parser.parse_args()
+
+    kinds = {"mem": ("memory", ["memory:{size}"]), "file": ("file", ["{file}"]),
+             "direct": ("file", ["--cache", "none", "{file}"])}
+    rows = []
+    for text in args.variant:
+        name, path, env = parse_variant(text)
+        for backend in args.backends:
+            kind, tail = kinds[backend]
+            row = f"{name}-{backend}"
+            bench.SERVERS[row] = EnvServer(row, kind, [path, "serve", "--listen", "127.0.0.1:{port}", *tail], env)
+            rows.append(row)
+    rows += args.others
+    work = {k: job for k, (job, _) in bench.workloads().items()
+            if not args.only or any(k.startswith(o) for o in args.only)}
+
+    scratch = tempfile.mkdtemp(prefix="netblk-ab-", dir="/var/tmp")
+    backing = os.path.join(scratch, "disk.img")
+    with open(backing, "wb") as f:
+        block = os.urandom(1 << 20)
+        for _ in range(bench.SIZE >> 20):
+            f.write(block)
+    results = {}
+    started = time.time()
+    try:
+        for name, job in work.items():
+            for r in range(args.rounds):
+                for row in rows:
+                    try:
+                        run = bench.one_run(name, job, row, backing, args.runtime, scratch)
+                    except Exception as e:  # a failed run is reported, not fatal
+                        print(f"[{time.time() - started:5.0f}s] {name} {r + 1} {row}: {e}", flush=True)
+                        continue
+                    results.setdefault((name, row), []).append(run)
+                    cpu = run["cpu_per_mreq"]
+                    print(f"[{time.time() - started:5.0f}s] {name} {r + 1} {row}: {run['iops']:,.0f} IOPS "
+                          f"{run['mbps']:,.0f} MB/s" + (f", {cpu:.2f} CPU µs/req" if cpu else ""), flush=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+    print(f"\n{'workload':22} {'row':22} {'IOPS median (min-max)':>30} {'MB/s':>8} {'CPU µs/req':>11}")
+    for name in work:
+        for row in rows:
+            runs = results.get((name, row), [])
+            if not runs:
+                continue
+            iops, lo, hi = bench.median_range([r["iops"] for r in runs])
+            mbps = bench.median_range([r["mbps"] for r in runs])[0]
+            cpus = [r["cpu_per_mreq"] for r in runs if r["cpu_per_mreq"]]
+            cpu = bench.median_range(cpus)[0] if cpus else None
+            print(f"{name:22} {row:22} {iops:>12,.0f} ({lo:,.0f}-{hi:,.0f}) {mbps:>8,.0f} "
+                  f"{'' if cpu is None else f'{cpu:.2f}':>11}")
+
+
+if __name__ == "__main__":
+    main()

@@ -204,6 +204,17 @@ pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static {
     ) -> Poll<std::io::Result<usize>> {
         Poll::Ready(Err(std::io::ErrorKind::Unsupported.into()))
     }
+
+    /// Writes `slices` telling the socket that more data follows at once (`MSG_MORE`), so
+    /// a reply header is sent in one segment with the data spliced after it; only streams
+    /// that can splice are asked.
+    fn poll_write_more(
+        &self,
+        _cx: &mut Context<'_>,
+        _slices: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Poll::Ready(Err(std::io::ErrorKind::Unsupported.into()))
+    }
 }
 
 /// A socket registered with tokio: its descriptor for the idle spin, and splices into it.
@@ -248,6 +259,33 @@ macro_rules! socket_stream {
                     }
                 }
             }
+
+            fn poll_write_more(
+                &self,
+                cx: &mut Context<'_>,
+                slices: &[std::io::IoSlice<'_>],
+            ) -> Poll<std::io::Result<usize>> {
+                loop {
+                    match self.poll_write_ready(cx) {
+                        Poll::Ready(Ok(())) => {}
+                        Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                        Poll::Pending => return Poll::Pending,
+                    }
+                    let sent = self.try_io(tokio::io::Interest::WRITABLE, || {
+                        rustix::net::sendmsg(
+                            self,
+                            slices,
+                            &mut rustix::net::SendAncillaryBuffer::default(),
+                            rustix::net::SendFlags::MORE | rustix::net::SendFlags::NOSIGNAL,
+                        )
+                        .map_err(std::io::Error::from)
+                    });
+                    match sent {
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                        other => return Poll::Ready(other),
+                    }
+                }
+            }
         }
     };
 }
@@ -273,6 +311,14 @@ impl Stream for Box<dyn Stream> {
         len: usize,
     ) -> Poll<std::io::Result<usize>> {
         (**self).poll_splice(cx, pipe, len)
+    }
+
+    fn poll_write_more(
+        &self,
+        cx: &mut Context<'_>,
+        slices: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        (**self).poll_write_more(cx, slices)
     }
 }
 

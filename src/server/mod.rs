@@ -217,6 +217,23 @@ pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static {
     }
 }
 
+/// Runs a non-blocking socket write once the socket has room, waiting for room the way
+/// tokio's own writes do: `ready` polls writability, `attempt` tries the write (and clears
+/// the readiness when it would block).
+fn poll_when_writable(
+    cx: &mut Context<'_>,
+    mut ready: impl FnMut(&mut Context<'_>) -> Poll<std::io::Result<()>>,
+    mut attempt: impl FnMut() -> std::io::Result<usize>,
+) -> Poll<std::io::Result<usize>> {
+    loop {
+        std::task::ready!(ready(cx))?;
+        match attempt() {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            other => return Poll::Ready(other),
+        }
+    }
+}
+
 /// A socket registered with tokio: its descriptor for the idle spin, and splices into it.
 macro_rules! socket_stream {
     ($socket:ty) => {
@@ -235,29 +252,23 @@ macro_rules! socket_stream {
                 pipe: BorrowedFd<'_>,
                 len: usize,
             ) -> Poll<std::io::Result<usize>> {
-                // Wait for room the way tokio's own writes do.
-                loop {
-                    match self.poll_write_ready(cx) {
-                        Poll::Ready(Ok(())) => {}
-                        Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
-                        Poll::Pending => return Poll::Pending,
-                    }
-                    let moved = self.try_io(tokio::io::Interest::WRITABLE, || {
-                        rustix::pipe::splice(
-                            pipe,
-                            None,
-                            self,
-                            None,
-                            len,
-                            rustix::pipe::SpliceFlags::NONBLOCK,
-                        )
-                        .map_err(std::io::Error::from)
-                    });
-                    match moved {
-                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-                        other => return Poll::Ready(other),
-                    }
-                }
+                poll_when_writable(
+                    cx,
+                    |cx| self.poll_write_ready(cx),
+                    || {
+                        self.try_io(tokio::io::Interest::WRITABLE, || {
+                            rustix::pipe::splice(
+                                pipe,
+                                None,
+                                self,
+                                None,
+                                len,
+                                rustix::pipe::SpliceFlags::NONBLOCK,
+                            )
+                            .map_err(std::io::Error::from)
+                        })
+                    },
+                )
             }
 
             fn poll_write_more(
@@ -265,26 +276,21 @@ macro_rules! socket_stream {
                 cx: &mut Context<'_>,
                 slices: &[std::io::IoSlice<'_>],
             ) -> Poll<std::io::Result<usize>> {
-                loop {
-                    match self.poll_write_ready(cx) {
-                        Poll::Ready(Ok(())) => {}
-                        Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
-                        Poll::Pending => return Poll::Pending,
-                    }
-                    let sent = self.try_io(tokio::io::Interest::WRITABLE, || {
-                        rustix::net::sendmsg(
-                            self,
-                            slices,
-                            &mut rustix::net::SendAncillaryBuffer::default(),
-                            rustix::net::SendFlags::MORE | rustix::net::SendFlags::NOSIGNAL,
-                        )
-                        .map_err(std::io::Error::from)
-                    });
-                    match sent {
-                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-                        other => return Poll::Ready(other),
-                    }
-                }
+                poll_when_writable(
+                    cx,
+                    |cx| self.poll_write_ready(cx),
+                    || {
+                        self.try_io(tokio::io::Interest::WRITABLE, || {
+                            rustix::net::sendmsg(
+                                self,
+                                slices,
+                                &mut rustix::net::SendAncillaryBuffer::default(),
+                                rustix::net::SendFlags::MORE | rustix::net::SendFlags::NOSIGNAL,
+                            )
+                            .map_err(std::io::Error::from)
+                        })
+                    },
+                )
             }
         }
     };

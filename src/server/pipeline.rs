@@ -2064,18 +2064,31 @@ mod tests {
         assert_eq!(assembled, pattern);
     }
 
+    /// A file export of `len` bytes of pattern `i * step % modulo` (in the page cache, as
+    /// just written), with its reads counted; the file and the pattern come back with it.
+    fn counted_file_export(
+        len: usize,
+        step: usize,
+        modulo: usize,
+    ) -> (
+        tempfile::NamedTempFile,
+        Vec<u8>,
+        Arc<CountingReads<crate::backend::file::FileBackend>>,
+    ) {
+        use std::io::Write as _;
+        let pattern: Vec<u8> = (0..len).map(|i| (i * step % modulo) as u8).collect();
+        let mut tmp = tempfile::NamedTempFile::new().unwrap();
+        tmp.write_all(&pattern).unwrap();
+        let file = crate::backend::file::FileBackend::open(tmp.path(), None, false, None).unwrap();
+        (tmp, pattern, Arc::new(CountingReads::over(file, None)))
+    }
+
     /// Reads of cached file data over a real socket leave through a pipe: a whole read, a
     /// streamed one, several in flight at once, and a simple reply; every byte matches,
     /// and small reads are still copied.
     #[tokio::test]
     async fn cached_file_reads_are_spliced_into_the_socket_byte_for_byte() {
-        use std::io::Write as _;
-        let len = 8 << 20;
-        let pattern: Vec<u8> = (0..len).map(|i| (i * 13 % 251) as u8).collect();
-        let mut tmp = tempfile::NamedTempFile::new().unwrap();
-        tmp.write_all(&pattern).unwrap();
-        let file = crate::backend::file::FileBackend::open(tmp.path(), None, false, None).unwrap();
-        let backend = Arc::new(CountingReads::over(file, None));
+        let (tmp, pattern, backend) = counted_file_export(8 << 20, 13, 251);
         let (client, server) = tokio::net::UnixStream::pair().unwrap();
         let mut client = serve_and_negotiate(backend.clone(), client, server).await;
         // (cookie, offset, length): whole reads, one streamed over four pieces, and a small
@@ -2141,13 +2154,8 @@ mod tests {
     /// 50 lone 64 KiB reads must answer well within either, and all bytes match.
     #[tokio::test]
     async fn lone_spliced_reads_over_tcp_never_wait_on_a_tcp_timer() {
-        use std::io::Write as _;
         let len = 4 << 20;
-        let pattern: Vec<u8> = (0..len).map(|i| (i * 7 % 253) as u8).collect();
-        let mut tmp = tempfile::NamedTempFile::new().unwrap();
-        tmp.write_all(&pattern).unwrap();
-        let file = crate::backend::file::FileBackend::open(tmp.path(), None, false, None).unwrap();
-        let backend = Arc::new(CountingReads::over(file, None));
+        let (tmp, pattern, backend) = counted_file_export(len, 7, 253);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let client = tokio::net::TcpStream::connect(listener.local_addr().unwrap())
             .await

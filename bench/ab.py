@@ -20,29 +20,12 @@ bench.py. Standard library only.
 import argparse
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench  # noqa: E402
-
-
-class EnvServer(bench.Server):
-    """A netblk row started with extra environment settings."""
-
-    def __init__(self, name, kind, argv, env):
-        super().__init__(name, kind, argv)
-        self.env = env
-
-    def start(self, port, backing):
-        argv = [a.format(port=port, file=backing, size=bench.SIZE) for a in self.argv]
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True,
-                                env={**os.environ, **self.env})
-        bench.wait_port(port, proc)
-        return proc
 
 
 def parse_variant(text):
@@ -75,7 +58,7 @@ def main():
         for backend in args.backends:
             kind, tail = kinds[backend]
             row = f"{name}-{backend}"
-            bench.SERVERS[row] = EnvServer(row, kind, [path, "serve", "--listen", "127.0.0.1:{port}", *tail], env)
+            bench.SERVERS[row] = bench.Server(row, kind, [path, "serve", "--listen", "127.0.0.1:{port}", *tail], env)
             rows.append(row)
     rows += args.others
     work = {k: job for k, (job, _) in bench.workloads().items()

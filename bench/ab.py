@@ -11,7 +11,12 @@ table and writes nothing into the repository.
     /usr/bin/python3 bench/ab.py --variant base=target/release/netblk \\
         --variant nap=target/release/netblk:COALESCE_NAP_US=40 --only randread-qd32
 
-A variant is NAME=PATH[:VAR=VALUE,...]; each gives rows NAME-mem, NAME-file (page cache) and
+    # one binary with and without a command-line option
+    /usr/bin/python3 bench/ab.py --variant cubic=target/release/netblk \\
+        --variant system=target/release/netblk:--tcp-congestion=system --only seqread
+
+A variant is NAME=PATH[:SETTING,...], where a SETTING is VAR=VALUE (an environment variable)
+or an option for `netblk serve` starting with "-"; each gives rows NAME-mem, NAME-file (page cache) and
 NAME-direct (--cache=none), narrowed by --backends. --with adds bench.py's own rows (nbdkit-mem,
 nbdkit-file, qemu-nbd-file, local-io_uring). Server CPU time per request is from /proc, as in
 bench.py. Standard library only.
@@ -32,17 +37,20 @@ def parse_variant(text):
     name, _, rest = text.partition("=")
     path, _, settings = rest.partition(":")
     if not name or not path:
-        raise SystemExit(f"--variant {text!r}: want NAME=PATH[:VAR=VALUE,...]")
-    env = {}
+        raise SystemExit(f"--variant {text!r}: want NAME=PATH[:SETTING,...]")
+    env, options = {}, []
     for item in filter(None, settings.split(",")):
+        if item.startswith("-"):
+            options.append(item)
+            continue
         var, _, value = item.partition("=")
         env[var if var.startswith("NETBLK_") else "NETBLK_" + var] = value
-    return name, os.path.abspath(path), env
+    return name, os.path.abspath(path), env, options
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variant", action="append", required=True, help="NAME=PATH[:VAR=VALUE,...]")
+    parser.add_argument("--variant", action="append", required=True, help="NAME=PATH[:SETTING,...]")
     parser.add_argument("--backends", nargs="*", default=["mem", "file", "direct"])
     parser.add_argument("--with", dest="others", nargs="*", default=[], help="bench.py rows to add")
     parser.add_argument("--only", nargs="*", help="workload names or prefixes")
@@ -54,11 +62,11 @@ def main():
              "direct": ("file", ["--cache", "none", "{file}"])}
     rows = []
     for text in args.variant:
-        name, path, env = parse_variant(text)
+        name, path, env, options = parse_variant(text)
         for backend in args.backends:
             kind, tail = kinds[backend]
             row = f"{name}-{backend}"
-            bench.SERVERS[row] = bench.Server(row, kind, [path, "serve", "--listen", "127.0.0.1:{port}", *tail], env)
+            bench.SERVERS[row] = bench.Server(row, kind, [path, "serve", "--listen", "127.0.0.1:{port}", *options, *tail], env)
             rows.append(row)
     rows += args.others
     work = {k: job for k, (job, _) in bench.workloads().items()

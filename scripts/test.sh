@@ -12,8 +12,9 @@ cd "$(dirname "$0")/.."
 fuzz_seconds=${NETBLK_FUZZ_SECONDS:-30}
 
 # Debian packages: the clients (qemu-img/qemu-io, nbdinfo/nbdcopy/nbdsh/nbdfuse, python
-# libnbd, fio), FUSE, ext4 tools and losetup for the file-system test.
-packages=(qemu-utils libnbd-bin python3-libnbd fio fuse3 e2fsprogs util-linux)
+# libnbd, fio), FUSE, ext4 tools and losetup for the file-system test, and iproute2 (`ss`,
+# which shows the congestion control of the server's sockets).
+packages=(qemu-utils libnbd-bin python3-libnbd fio fuse3 e2fsprogs util-linux iproute2)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

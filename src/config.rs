@@ -3,6 +3,7 @@
 //! ```toml
 //! listen = ["127.0.0.1:10809", "unix:/run/netblk.sock"]
 //! handshake_timeout = "10s"
+//! tcp_congestion = "cubic"  # the default; "system" keeps the kernel's default
 //!
 //! [[export]]
 //! name = "disk0"
@@ -32,6 +33,7 @@ struct RawConfig {
     #[serde(default)]
     listen: Vec<String>,
     handshake_timeout: Option<String>,
+    tcp_congestion: Option<String>,
     #[serde(default, rename = "export")]
     exports: Vec<RawExport>,
 }
@@ -66,6 +68,8 @@ pub struct ExportConfig {
 pub struct Config {
     pub listen: Vec<String>,
     pub handshake_timeout: Option<Duration>,
+    /// TCP congestion control for client connections (see [`crate::tcp`]); `None`: the default.
+    pub tcp_congestion: Option<String>,
     pub exports: Vec<ExportConfig>,
 }
 
@@ -164,6 +168,7 @@ impl Config {
         Ok(Config {
             listen: raw.listen,
             handshake_timeout,
+            tcp_congestion: raw.tcp_congestion,
             exports,
         })
     }
@@ -179,6 +184,7 @@ mod tests {
             r#"
             listen = ["127.0.0.1:0", "unix:/tmp/x.sock"]
             handshake_timeout = "3s"
+            tcp_congestion = "reno"
             [[export]]
             name = "a"
             backing = "memory:1M"
@@ -194,6 +200,7 @@ mod tests {
         .unwrap();
         assert_eq!(config.listen.len(), 2);
         assert_eq!(config.handshake_timeout, Some(Duration::from_secs(3)));
+        assert_eq!(config.tcp_congestion.as_deref(), Some("reno"));
         assert_eq!(
             config.exports[0].backing,
             BackingSpec::Memory { size: 1 << 20 }

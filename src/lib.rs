@@ -10,7 +10,8 @@
 //!   sparse [`backend::memory`] and the [`backend::file`] (file or block device) engines,
 //!   the io_uring driver ([`backend::uring`]) and zero-copy page-cache reads
 //!   ([`backend::splice`]).
-//! - [`config`]: the TOML file for several exports; [`listen`]: listen addresses.
+//! - [`config`]: the TOML file for several exports; [`listen`]: listen addresses;
+//!   [`tcp`]: the socket settings every TCP connection gets.
 //! - [`replication`]: replication of an export across nodes (a backend layer), its
 //!   resource file, peer protocol and crash-safe metadata.
 //! - [`buffer`]: the pool of large I/O buffers (no allocation per request on the hot path).
@@ -30,4 +31,5 @@ pub mod listen;
 pub mod replication;
 pub mod server;
 pub mod size;
+pub mod tcp;
 pub mod wire;

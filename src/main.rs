@@ -152,6 +152,12 @@ struct ServeArgs {
     #[arg(long, requires = "node")]
     primary: bool,
 
+    /// TCP congestion control for every connection, clients and replication peers: a name
+    /// from net.ipv4.tcp_available_congestion_control, or "system" for the kernel's default.
+    /// Default cubic (see ARCHITECTURE.md, "TCP"). Example: --tcp-congestion bbr
+    #[arg(long, value_name = "NAME")]
+    tcp_congestion: Option<String>,
+
     /// Worker threads that serve connections (default: one per CPU). Example: --threads 2
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
     threads: Option<u16>,
@@ -205,10 +211,15 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
             bail!("--node needs a resource file (one with a [resource] table)");
         }
     }
-    let (exports, mut listen, timeout) = match &args.config {
+    let (exports, mut listen, timeout, congestion) = match &args.config {
         Some(path) => {
             let config = Config::load(path)?;
-            (config.exports, config.listen, config.handshake_timeout)
+            (
+                config.exports,
+                config.listen,
+                config.handshake_timeout,
+                config.tcp_congestion,
+            )
         }
         None => {
             let backing = args
@@ -230,9 +241,10 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
                 size,
                 cache: args.cache,
             };
-            (vec![export], Vec::new(), None)
+            (vec![export], Vec::new(), None, None)
         }
     };
+    netblk::tcp::choose_congestion(args.tcp_congestion.as_deref().or(congestion.as_deref()))?;
     if !args.listen.is_empty() {
         listen = args.listen.clone();
     }
@@ -330,6 +342,7 @@ fn run_replicated(args: &ServeArgs, path: &std::path::Path) -> anyhow::Result<()
         bail!("--listen does not apply to a resource file: each node's listen address is in it");
     }
     let handshake_timeout = args.handshake_timeout.unwrap_or(DEFAULT_HANDSHAKE_TIMEOUT);
+    netblk::tcp::choose_congestion(args.tcp_congestion.as_deref())?;
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
     if let Some(threads) = args.threads {
         runtime.worker_threads(usize::from(threads));

@@ -142,6 +142,49 @@ fn listens_on_ipv4_ipv6_and_unix_sockets_at_once() {
     assert!(!sock.exists(), "the socket file is removed on exit");
 }
 
+/// The congestion control `ss` reports for the server's end of a fresh connection.
+fn server_side_congestion(server: &Server) -> String {
+    use std::io::Read;
+    let mut client = std::net::TcpStream::connect(server.tcp()).unwrap();
+    // The greeting comes after the socket was tuned.
+    let mut greeting = [0u8; 18];
+    client.read_exact(&mut greeting).unwrap();
+    let port = server.tcp().rsplit(':').next().unwrap();
+    let out = run_stdout(Command::new("ss").args([
+        "-tin",
+        "state",
+        "established",
+        "sport",
+        "=",
+        &format!(":{port}"),
+    ]));
+    for name in ["cubic", "reno", "bbr"] {
+        if out.split_whitespace().any(|word| word == name) {
+            return name.to_string();
+        }
+    }
+    panic!("no congestion control in ss output:\n{out}");
+}
+
+#[test]
+fn connections_use_cubic_unless_told_otherwise() {
+    // Measured reason in src/tcp.rs: the system default (bbr on some machines) halved
+    // large reads over loopback.
+    let server = Server::start(&["memory:1M"]);
+    assert_eq!(server_side_congestion(&server), "cubic");
+    drop(server);
+    let server = Server::start(&["--tcp-congestion", "reno", "memory:1M"]);
+    assert_eq!(server_side_congestion(&server), "reno");
+    drop(server);
+    let out = netblk(&["serve", "--tcp-congestion", "no-such-cc", "memory:1M"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("no-such-cc") && err.contains("available"),
+        "{err}"
+    );
+}
+
 #[test]
 fn the_default_listener_is_loopback_10809() {
     let mut server = Server::start_expecting(&["memory:1M".to_string()], 1);

@@ -423,9 +423,7 @@ async fn run_connection(
     expected: Option<usize>,
     stop: watch::Receiver<bool>,
 ) {
-    if let Err(e) = stream.set_nodelay(true) {
-        warn!("TCP_NODELAY on {addr}: {e}");
-    }
+    crate::tcp::tune(&stream, &addr.to_string());
     let (mut reader, mut writer) = stream.into_split();
     let timeout = shared.resource.peer_timeout;
     let mut out = BytesMut::new();

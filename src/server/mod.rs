@@ -332,8 +332,9 @@ async fn accept(listener: &Listener) -> std::io::Result<(Accepted, String)> {
     match listener {
         Listener::Tcp(l) => {
             let (stream, peer) = l.accept().await?;
-            stream.set_nodelay(true)?;
-            Ok((Accepted::Tcp(stream.into_std()?), peer.to_string()))
+            let peer = peer.to_string();
+            crate::tcp::tune(&stream, &peer);
+            Ok((Accepted::Tcp(stream.into_std()?), peer))
         }
         Listener::Unix(l, path) => {
             let (stream, _) = l.accept().await?;

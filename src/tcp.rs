@@ -1,0 +1,142 @@
+//! The TCP settings every netblk connection gets, client or replication peer: `TCP_NODELAY`
+//! and the congestion control that sends the data.
+//!
+//! Congestion control is chosen per socket (`TCP_CONGESTION`) because the system default may
+//! be one made for long-haul paths. Measured reason: this project's VM of 2026-11-25 ran
+//! `bbr` by default with the `pfifo_fast` qdisc, where TCP paces bbr's sends itself, and
+//! one iperf3 stream over loopback moved 7.2 GB/s with bbr against 12.5 GB/s with `cubic`.
+//! netblk's reads from one connection (fio, iodepth 8, `bench/ab.py`, 5 rounds, IOPS) went
+//! with cubic instead of bbr: 256 KiB 22.4k against 14.9k (memory) and 16.3k against 13.5k
+//! (file); 1 MiB 5.8k against 5.4k (memory); 4 MiB 1,330 against 1,052 (memory), but 538
+//! against 779 (file, where the client is the limit copying spliced pages) and 32 MiB 73
+//! against 97 (memory). Most reads are 256 KiB or smaller, and there cubic won by a fifth to a
+//! half (64 KiB file reads: 66.7k against 42.4k; bench/RESULTS.md, session 17), so the default is `cubic`, the kernel's own default.
+//! `--tcp-congestion system` keeps the system's choice, and any algorithm the kernel offers
+//! (`net.ipv4.tcp_available_congestion_control`) may be named, such as `bbr` for a
+//! replication link across a long-haul network. Write payloads are sent by the client, whose
+//! own socket decides their congestion control.
+
+use std::os::fd::AsFd;
+use std::sync::OnceLock;
+
+use tracing::{debug, warn};
+
+/// The algorithm sockets get unless told otherwise.
+pub const DEFAULT_CONGESTION: &str = "cubic";
+/// The `--tcp-congestion` value that leaves the system default alone.
+pub const SYSTEM_CONGESTION: &str = "system";
+
+/// The algorithm chosen for this process; `None` keeps the system default.
+static CONGESTION: OnceLock<Option<String>> = OnceLock::new();
+
+/// Why a congestion control cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[error("TCP congestion control {name:?} is not available here ({source}); available: {available}")]
+pub struct CongestionError {
+    name: String,
+    source: std::io::Error,
+    available: String,
+}
+
+/// Chooses the congestion control for every socket this process opens or accepts from now on,
+/// after checking on a scratch socket that the kernel has it. `requested` is `None` for the
+/// default ([`DEFAULT_CONGESTION`], or the system's own when the kernel lacks it) or a name,
+/// [`SYSTEM_CONGESTION`] among them. The first call decides; later calls change nothing.
+pub fn choose_congestion(requested: Option<&str>) -> Result<(), CongestionError> {
+    let chosen = match requested {
+        Some(SYSTEM_CONGESTION) => None,
+        Some(name) => {
+            check_available(name)?;
+            Some(name.to_string())
+        }
+        None => match check_available(DEFAULT_CONGESTION) {
+            Ok(()) => Some(DEFAULT_CONGESTION.to_string()),
+            Err(e) => {
+                debug!("keeping the system's congestion control: {e}");
+                None
+            }
+        },
+    };
+    let _ = CONGESTION.set(chosen);
+    Ok(())
+}
+
+/// The congestion control sockets get, `None` for the system default.
+pub fn chosen_congestion() -> Option<&'static str> {
+    CONGESTION
+        .get_or_init(|| {
+            check_available(DEFAULT_CONGESTION)
+                .ok()
+                .map(|()| DEFAULT_CONGESTION.to_string())
+        })
+        .as_deref()
+}
+
+fn check_available(name: &str) -> Result<(), CongestionError> {
+    let scratch = std::net::TcpListener::bind("127.0.0.1:0")
+        .or_else(|_| std::net::TcpListener::bind("[::1]:0"));
+    let result = match &scratch {
+        Ok(socket) => rustix::net::sockopt::set_tcp_congestion(socket, name).map_err(Into::into),
+        Err(e) => Err(std::io::Error::new(e.kind(), e.to_string())),
+    };
+    result.map_err(|source| CongestionError {
+        name: name.to_string(),
+        source,
+        available: std::fs::read_to_string("/proc/sys/net/ipv4/tcp_available_congestion_control")
+            .map(|s| s.trim().to_string())
+            .unwrap_or_else(|_| "unknown".into()),
+    })
+}
+
+/// Applies netblk's settings to a connected TCP socket: no Nagle delay for small replies, and
+/// the chosen congestion control. A failure is logged, never fatal: the connection still works.
+pub fn tune(socket: impl AsFd, peer: &str) {
+    let fd = socket.as_fd();
+    if let Err(e) = rustix::net::sockopt::set_tcp_nodelay(fd, true) {
+        warn!("TCP_NODELAY for {peer}: {e}");
+    }
+    if let Some(name) = chosen_congestion() {
+        if let Err(e) = rustix::net::sockopt::set_tcp_congestion(fd, name) {
+            warn!("TCP congestion control {name} for {peer}: {e}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn connected_pair() -> (std::net::TcpStream, std::net::TcpStream) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (server, _) = listener.accept().unwrap();
+        (client, server)
+    }
+
+    #[test]
+    fn tune_sets_nodelay_and_the_chosen_algorithm() {
+        let (_client, server) = connected_pair();
+        tune(&server, "test");
+        assert!(rustix::net::sockopt::get_tcp_nodelay(&server).unwrap());
+        let got = rustix::net::sockopt::get_tcp_congestion(&server).unwrap();
+        match chosen_congestion() {
+            Some(name) => assert_eq!(got, name),
+            None => assert!(!got.is_empty()),
+        }
+    }
+
+    #[test]
+    fn an_unknown_algorithm_is_refused_with_the_available_ones() {
+        let e = check_available("no-such-algorithm").unwrap_err();
+        let text = e.to_string();
+        assert!(text.contains("no-such-algorithm"), "{text}");
+        assert!(text.contains("available:"), "{text}");
+    }
+
+    #[test]
+    fn the_default_is_available_on_linux() {
+        // cubic is built into every Debian kernel; if this fails, the default silently
+        // becomes the system's and the measured reason above no longer applies.
+        check_available(DEFAULT_CONGESTION).unwrap();
+    }
+}

@@ -649,6 +649,22 @@ impl Backend for FileBackend {
         })
     }
 
+    fn write_inline(
+        &self,
+        offset: u64,
+        data: &[u8],
+        fua: bool,
+    ) -> Option<Result<(), BackendError>> {
+        // The same as `write` without FUA in writeback mode: a copy into the page cache.
+        if self.cache != CacheMode::Writeback || fua {
+            return None;
+        }
+        Some(
+            self.write_to_page_cache(offset, data)
+                .map(|()| self.dirty.mark()),
+        )
+    }
+
     fn flush(&self) -> BackendFuture<'_, ()> {
         Box::pin(async move {
             if self.cache == CacheMode::Writeback {

@@ -207,6 +207,16 @@ impl Backend for MemoryBackend {
         })
     }
 
+    fn write_inline(
+        &self,
+        offset: u64,
+        data: &[u8],
+        _fua: bool,
+    ) -> Option<Result<(), super::BackendError>> {
+        self.write_now(offset, data);
+        Some(Ok(()))
+    }
+
     fn flush(&self) -> BackendFuture<'_, ()> {
         Box::pin(async { Ok(()) })
     }

@@ -284,6 +284,19 @@ pub trait Backend: Send + Sync + 'static {
     fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData>;
     /// Writes `data` at `offset`; with `fua` the data is durable when this returns.
     fn write(&self, offset: u64, data: Bytes, fua: bool) -> BackendFuture<'_, ()>;
+    /// Writes `data` at `offset` at once, on the calling thread, when this backend can do
+    /// that without waiting on a device (memory; a page-cache write without FUA), and
+    /// returns the result; `None` means it cannot, and [`Backend::write`] is the way. Lets a
+    /// connection copy a payload that arrived whole straight from its read buffer into
+    /// place, instead of first into a buffer of its own for [`Backend::write`].
+    fn write_inline(
+        &self,
+        _offset: u64,
+        _data: &[u8],
+        _fua: bool,
+    ) -> Option<Result<(), BackendError>> {
+        None
+    }
     /// Makes every completed write durable.
     fn flush(&self) -> BackendFuture<'_, ()>;
     /// Discards a range; afterwards it reads as zeroes or as its old contents.

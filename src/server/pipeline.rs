@@ -425,6 +425,9 @@ impl Pipeline {
                 match verdict {
                     Ok(command) if payload_len <= u64::from(MAX_PAYLOAD) => {
                         self.held += payload_len;
+                        if self.write_inline(&header, &command) {
+                            continue;
+                        }
                         // Every byte of a pooled buffer is overwritten by the payload
                         // before it is used.
                         let len = payload_len as usize;
@@ -494,6 +497,42 @@ impl Pipeline {
             return None;
         }
         self.backend.read_to_pipe(offset, length as usize)
+    }
+
+    /// Serves a write whose payload is already whole in the read buffer at once, when the
+    /// backend can write without waiting on a device ([`Backend::write_inline`]): the
+    /// payload is copied from the read buffer straight into place and the reply queued.
+    /// Returns false, with nothing consumed, when the write must go the usual way.
+    ///
+    /// Measured reason: a 64 KiB memory write was copied three times (socket → read
+    /// buffer → pooled buffer → page), and user-space `memmove` was 43.9% of the server's
+    /// samples (fio, QD8); nbdkit copies twice. Inline, against the build before
+    /// (`bench/ab.py`, 3 rounds, IOPS at server CPU µs per write): 64 KiB memory 62.2k at
+    /// 15.6 against 50.9k at 17.9 (nbdkit 59.0k); 256 KiB memory 14.3k at 59.0 against
+    /// 13.1k at 65.8 (nbdkit 13.0k); 4 KiB random writes at QD32, memory 3.80 against 3.96
+    /// µs and page cache 4.30 against 4.68. FUA writes, direct I/O and writes a replica must
+    /// also take still go through [`Backend::write`].
+    fn write_inline(&mut self, header: &RequestHeader, command: &Command) -> bool {
+        let &Command::Write {
+            offset,
+            length,
+            fua,
+        } = command
+        else {
+            return false;
+        };
+        let len = length as usize;
+        if length == 0 || len > WRITE_PIECE as usize || self.inbuf.len() < len {
+            return false;
+        }
+        let Some(result) = self.backend.write_inline(offset, &self.inbuf[..len], fua) else {
+            return false;
+        };
+        self.inbuf.advance(len);
+        let enc = self.encoder(header.cookie, header.offset);
+        self.outq
+            .extend(status_reply(enc, result, u64::from(length)));
+        true
     }
 
     /// Starts a validated request. A write's payload budget was taken when its header was
@@ -1634,13 +1673,15 @@ mod tests {
         connect_to(Arc::new(MemoryBackend::new(64 << 20, false))).await
     }
 
-    /// An export (memory unless said otherwise) that counts the reads, spliced reads and
-    /// writes it is asked for, and fails a write that starts at `fail_write_at`.
+    /// An export (memory unless said otherwise) that counts the reads, spliced reads,
+    /// writes and inline writes it is asked for, and fails a write that starts at
+    /// `fail_write_at`.
     struct CountingReads<B = MemoryBackend> {
         inner: B,
         reads: std::sync::atomic::AtomicUsize,
         spliced: std::sync::atomic::AtomicUsize,
         writes: std::sync::atomic::AtomicUsize,
+        inline_writes: std::sync::atomic::AtomicUsize,
         fail_write_at: Option<u64>,
     }
 
@@ -1657,6 +1698,7 @@ mod tests {
                 reads: Default::default(),
                 spliced: Default::default(),
                 writes: Default::default(),
+                inline_writes: Default::default(),
                 fail_write_at,
             }
         }
@@ -1697,6 +1739,28 @@ mod tests {
                 ))));
             }
             self.inner.write(offset, data, fua)
+        }
+        fn write_inline(
+            &self,
+            offset: u64,
+            data: &[u8],
+            fua: bool,
+        ) -> Option<Result<(), BackendError>> {
+            let result = if self.fail_write_at == Some(offset) {
+                Some(Err(BackendError::plain(
+                    "write",
+                    offset,
+                    data.len() as u64,
+                    NbdError::Io,
+                )))
+            } else {
+                self.inner.write_inline(offset, data, fua)
+            };
+            if result.is_some() {
+                self.inline_writes
+                    .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+            result
         }
         fn flush(&self) -> crate::backend::BackendFuture<'_, ()> {
             self.inner.flush()
@@ -1811,6 +1875,52 @@ mod tests {
         );
         let stored = backend.inner.read(4096, len).await.unwrap();
         assert!(stored.bytes()[..] == data[..], "the pieces landed in place");
+    }
+
+    /// Writes whose payloads arrive whole are copied from the read buffer straight into
+    /// the backend (no buffer of their own, no backend future), each is answered once
+    /// with its own status, and the data lands; a failing one fails alone.
+    #[tokio::test]
+    async fn writes_that_arrive_whole_are_written_inline_and_answered_each() {
+        let backend = Arc::new(CountingReads::new(Some(3 << 16)));
+        let mut client = connect_to(Arc::clone(&backend) as Arc<dyn Backend>).await;
+        let mut burst = Vec::new();
+        let mut expected = Vec::new();
+        for i in 0..6u64 {
+            let len = if i % 2 == 0 { 65536 } else { 4096 };
+            let data: Vec<u8> = (0..len).map(|j| (j as u64 * 13 + i) as u8).collect();
+            burst.extend(request(cmd::WRITE, 0, 100 + i, i << 16, len as u64));
+            burst.extend(&data);
+            if i != 3 {
+                expected.push((i << 16, data));
+            }
+        }
+        client.write_all(&burst).await.unwrap();
+        let mut answered = std::collections::HashMap::new();
+        for _ in 0..6 {
+            let (flags, kind, cookie, _) = read_chunk(&mut client).await;
+            assert!(flags & reply::FLAG_DONE != 0);
+            assert!(
+                answered.insert(cookie, kind).is_none(),
+                "one reply per write"
+            );
+        }
+        for i in 0..6u64 {
+            let want = if i == 3 {
+                reply::TYPE_ERROR
+            } else {
+                reply::TYPE_NONE
+            };
+            assert_eq!(answered[&(100 + i)], want, "write {i}");
+        }
+        assert_eq!(
+            backend
+                .inline_writes
+                .load(std::sync::atomic::Ordering::SeqCst),
+            6
+        );
+        assert_eq!(backend.writes.load(std::sync::atomic::Ordering::SeqCst), 0);
+        assert_landed(&backend, expected).await;
     }
 
     /// Serves `backend` over a real socket pair (not an in-memory pipe, so socket reads end

@@ -508,8 +508,9 @@ impl Pipeline {
     /// buffer → pooled buffer → page), and user-space `memmove` was 43.9% of the server's
     /// samples (fio, QD8); nbdkit copies twice. Inline, against the build before
     /// (`bench/ab.py`, 3 rounds, IOPS at server CPU µs per write): 64 KiB memory 62.2k at
-    /// 15.6 against 50.9k at 17.9 (nbdkit 59.0k); 256 KiB memory 14.3k at 59.0 against
-    /// 13.1k at 65.8 (nbdkit 13.0k); 4 KiB random writes at QD32, memory 3.80 against 3.96
+    /// 15.6 against 50.9k at 17.9 (nbdkit 59.0k; a 5-round rerun: 48.6k at 16.8 against
+    /// 44.5k at 18.5, both with slow rounds that the client's bbr causes); 256 KiB memory
+    /// 14.3k at 59.0 against 13.1k at 65.8 (nbdkit 13.0k); 4 KiB random writes at QD32, memory 3.80 against 3.96
     /// µs and page cache 4.30 against 4.68. FUA writes, direct I/O and writes a replica must
     /// also take still go through [`Backend::write`].
     fn write_inline(&mut self, header: &RequestHeader, command: &Command) -> bool {

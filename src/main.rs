@@ -154,7 +154,7 @@ struct ServeArgs {
 
     /// TCP congestion control for every connection, clients and replication peers: a name
     /// from net.ipv4.tcp_available_congestion_control, or "system" for the kernel's default.
-    /// Default cubic (see ARCHITECTURE.md, "TCP"). Example: --tcp-congestion bbr
+    /// Default cubic (why: ARCHITECTURE.md, data path). Example: --tcp-congestion bbr
     #[arg(long, value_name = "NAME")]
     tcp_congestion: Option<String>,
 

@@ -44,18 +44,12 @@ pub struct CongestionError {
 /// [`SYSTEM_CONGESTION`] among them. The first call decides; later calls change nothing.
 pub fn choose_congestion(requested: Option<&str>) -> Result<(), CongestionError> {
     let chosen = match requested {
+        None => default_congestion(),
         Some(SYSTEM_CONGESTION) => None,
         Some(name) => {
             check_available(name)?;
             Some(name.to_string())
         }
-        None => match check_available(DEFAULT_CONGESTION) {
-            Ok(()) => Some(DEFAULT_CONGESTION.to_string()),
-            Err(e) => {
-                debug!("keeping the system's congestion control: {e}");
-                None
-            }
-        },
     };
     let _ = CONGESTION.set(chosen);
     Ok(())
@@ -63,13 +57,18 @@ pub fn choose_congestion(requested: Option<&str>) -> Result<(), CongestionError>
 
 /// The congestion control sockets get, `None` for the system default.
 pub fn chosen_congestion() -> Option<&'static str> {
-    CONGESTION
-        .get_or_init(|| {
-            check_available(DEFAULT_CONGESTION)
-                .ok()
-                .map(|()| DEFAULT_CONGESTION.to_string())
-        })
-        .as_deref()
+    CONGESTION.get_or_init(default_congestion).as_deref()
+}
+
+/// [`DEFAULT_CONGESTION`], or the system's own (`None`) when the kernel lacks it.
+fn default_congestion() -> Option<String> {
+    match check_available(DEFAULT_CONGESTION) {
+        Ok(()) => Some(DEFAULT_CONGESTION.to_string()),
+        Err(e) => {
+            debug!("keeping the system's congestion control: {e}");
+            None
+        }
+    }
 }
 
 fn check_available(name: &str) -> Result<(), CongestionError> {

@@ -630,10 +630,11 @@ impl Backend for FileBackend {
 
     fn write(&self, offset: u64, data: Bytes, fua: bool) -> BackendFuture<'_, ()> {
         Box::pin(async move {
+            if let Some(done) = self.write_inline(offset, &data, fua) {
+                return done;
+            }
             let length = data.len() as u64;
-            if self.cache == CacheMode::Writeback && !fua {
-                self.write_to_page_cache(offset, &data)?;
-            } else if self.cache == CacheMode::Writeback {
+            if self.cache == CacheMode::Writeback {
                 // FUA waits for the device: that wait belongs in io_uring's workers.
                 self.write_through_ring(offset, data, fua).await?;
             } else if offset % self.block == 0 && length % self.block == 0 {
@@ -655,7 +656,8 @@ impl Backend for FileBackend {
         data: &[u8],
         fua: bool,
     ) -> Option<Result<(), BackendError>> {
-        // The same as `write` without FUA in writeback mode: a copy into the page cache.
+        // A write without FUA in writeback mode is a copy into the page cache; `write`
+        // takes this path too.
         if self.cache != CacheMode::Writeback || fua {
             return None;
         }

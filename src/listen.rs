@@ -4,7 +4,7 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
-use tokio::net::{TcpListener, UnixListener};
+use tokio::net::UnixListener;
 
 use crate::server::Listener;
 
@@ -40,7 +40,7 @@ impl ListenAddr {
     pub async fn bind(&self) -> anyhow::Result<Listener> {
         match self {
             ListenAddr::Tcp(addr) => {
-                let listener = TcpListener::bind(addr)
+                let listener = crate::tcp::bind(*addr)
                     .await
                     .with_context(|| format!("binding {addr}"))?;
                 Ok(Listener::Tcp(listener))

@@ -3,22 +3,32 @@
 //!
 //! Congestion control is chosen per socket (`TCP_CONGESTION`) because the system default may
 //! be one made for long-haul paths. Measured reason: this project's VM of 2026-11-25 ran
-//! `bbr` by default with the `pfifo_fast` qdisc, where TCP paces bbr's sends itself, and
-//! one iperf3 stream over loopback moved 7.2 GB/s with bbr against 12.5 GB/s with `cubic`.
-//! netblk's reads from one connection (fio, iodepth 8, `bench/ab.py`, 5 rounds, IOPS) went
-//! with cubic instead of bbr: 256 KiB 22.4k against 14.9k (memory) and 16.3k against 13.5k
-//! (file); 1 MiB 5.8k against 5.4k (memory); 4 MiB 1,330 against 1,052 (memory), but 538
-//! against 779 (file, where the client is the limit copying spliced pages) and 32 MiB 73
-//! against 97 (memory). Most reads are 256 KiB or smaller, and there cubic won by a fifth to a
-//! half (64 KiB file reads: 66.7k against 42.4k; bench/RESULTS.md, session 17), so the default is `cubic`, the kernel's own default.
+//! `bbr` by default with the `pfifo_fast` qdisc, where TCP paces bbr's sends itself, and one
+//! iperf3 stream over loopback moved 7.2 GB/s with bbr against 12.5 GB/s with `cubic`; reads
+//! of 64 KiB to 1 MiB from one connection were a fifth to a half faster with cubic
+//! (bench/RESULTS.md, session 17). So the default is `cubic`, the kernel's own default.
 //! `--tcp-congestion system` keeps the system's choice, and any algorithm the kernel offers
 //! (`net.ipv4.tcp_available_congestion_control`) may be named, such as `bbr` for a
 //! replication link across a long-haul network. Write payloads are sent by the client, whose
 //! own socket decides their congestion control.
+//!
+//! The algorithm is set where a connection is born: on the listening socket, whose accepted
+//! connections inherit it, and on an outgoing socket before it connects. Measured reason: a
+//! connection accepted under the system's `bbr` and switched to `cubic` afterwards keeps what
+//! bbr set up at its start (by our reading of the kernel, its request for TCP's own pacing
+//! timer, which then sends from whichever CPU it fires on). Over loopback its segments
+//! arrived out of order, each reordering cost a spurious fast retransmit, and cubic shrank
+//! its window for each: one stream of 32 MiB sends moved 2.5 GB/s with 330–590
+//! retransmissions when switched after `accept`, against 6.0 GB/s with none when the listener
+//! carried cubic. netblk's own reads, same A/B (session 18): 32 MiB memory 75 → 116 IOPS,
+//! 4 MiB file 431 → 874, 1 MiB file 2,033 → 3,459 (the "slow mode" of spliced reads that
+//! sessions 16 and 17 chased), with 0 retransmissions.
 
+use std::net::SocketAddr;
 use std::os::fd::AsFd;
 use std::sync::OnceLock;
 
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tracing::{debug, warn};
 
 /// The algorithm sockets get unless told otherwise.
@@ -87,16 +97,57 @@ fn check_available(name: &str) -> Result<(), CongestionError> {
     })
 }
 
-/// Applies netblk's settings to a connected TCP socket: no Nagle delay for small replies, and
-/// the chosen congestion control. A failure is logged, never fatal: the connection still works.
+/// Binds a TCP listener whose accepted connections start with netblk's settings (see
+/// [`tune_unconnected`]), so that none of them begins under another algorithm.
+pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let listener = TcpListener::bind(addr).await?;
+    tune_unconnected(&listener, &addr.to_string());
+    Ok(listener)
+}
+
+/// Connects to `addr` with netblk's settings in place before the handshake.
+pub async fn connect(addr: SocketAddr) -> std::io::Result<TcpStream> {
+    let socket = match addr {
+        SocketAddr::V4(_) => TcpSocket::new_v4()?,
+        SocketAddr::V6(_) => TcpSocket::new_v6()?,
+    };
+    tune_unconnected(&socket, &addr.to_string());
+    socket.connect(addr).await
+}
+
+/// Applies netblk's settings to a socket that is not connected yet (a listener, whose accepted
+/// connections inherit them, or a socket about to connect): no Nagle delay for small replies,
+/// and the chosen congestion control from the first segment on. A failure is logged, never
+/// fatal: connections still work, with the system's settings.
+pub fn tune_unconnected(socket: impl AsFd, what: &str) {
+    let fd = socket.as_fd();
+    if let Err(e) = rustix::net::sockopt::set_tcp_nodelay(fd, true) {
+        warn!("TCP_NODELAY for {what}: {e}");
+    }
+    if let Some(name) = chosen_congestion() {
+        if let Err(e) = rustix::net::sockopt::set_tcp_congestion(fd, name) {
+            warn!("TCP congestion control {name} for {what}: {e}");
+        }
+    }
+}
+
+/// Applies netblk's settings to a connected TCP socket: `TCP_NODELAY`, and the chosen
+/// congestion control if it does not have it yet. Connections from [`bind`] and [`connect`]
+/// already have it; one that does not (a listener bound elsewhere) is switched, which works
+/// but keeps whatever state the first algorithm set up (see the module comment). A failure is
+/// logged, never fatal.
 pub fn tune(socket: impl AsFd, peer: &str) {
     let fd = socket.as_fd();
     if let Err(e) = rustix::net::sockopt::set_tcp_nodelay(fd, true) {
         warn!("TCP_NODELAY for {peer}: {e}");
     }
     if let Some(name) = chosen_congestion() {
-        if let Err(e) = rustix::net::sockopt::set_tcp_congestion(fd, name) {
-            warn!("TCP congestion control {name} for {peer}: {e}");
+        let current = rustix::net::sockopt::get_tcp_congestion(fd).unwrap_or_default();
+        if current != name {
+            debug!("switching {peer} from {current} to {name} after the handshake");
+            if let Err(e) = rustix::net::sockopt::set_tcp_congestion(fd, name) {
+                warn!("TCP congestion control {name} for {peer}: {e}");
+            }
         }
     }
 }
@@ -121,6 +172,24 @@ mod tests {
         match chosen_congestion() {
             Some(name) => assert_eq!(got, name),
             None => assert!(!got.is_empty()),
+        }
+    }
+
+    #[tokio::test]
+    async fn connections_start_with_the_chosen_algorithm_on_both_ends() {
+        // Inherited from the listener and set before connecting, not switched afterwards: a
+        // switch after the handshake would keep the first algorithm's pacing.
+        let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (client, accepted) = tokio::join!(connect(addr), listener.accept());
+        let (client, (server, _)) = (client.unwrap(), accepted.unwrap());
+        for socket in [client.as_fd(), server.as_fd()] {
+            assert!(rustix::net::sockopt::get_tcp_nodelay(socket).unwrap());
+            let got = rustix::net::sockopt::get_tcp_congestion(socket).unwrap();
+            match chosen_congestion() {
+                Some(name) => assert_eq!(got, name),
+                None => assert!(!got.is_empty()),
+            }
         }
     }
 

@@ -68,7 +68,7 @@ impl Node {
         if primary {
             shared.promote(false).map_err(anyhow::Error::msg)?;
         }
-        let replication = TcpListener::bind(me.replication)
+        let replication = crate::tcp::bind(me.replication)
             .await
             .with_context(|| format!("binding replication address {}", me.replication))?;
         let clients = me.listen.bind().await?;

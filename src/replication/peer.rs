@@ -262,7 +262,7 @@ async fn dial_loop(shared: Arc<Shared>, index: usize, mut stop: watch::Receiver<
         if *stop.borrow() {
             return;
         }
-        match tokio::time::timeout(shared.resource.peer_timeout, TcpStream::connect(addr)).await {
+        match tokio::time::timeout(shared.resource.peer_timeout, crate::tcp::connect(addr)).await {
             Ok(Ok(stream)) => {
                 run_connection(Arc::clone(&shared), stream, addr, Some(index), stop.clone()).await;
             }

@@ -41,7 +41,9 @@ from sections import write_section
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-NETBLK = os.path.join(ROOT, "target", "release", "netblk")
+# NETBLK_BIN names the binary outright, as in bench.py; else where `cargo build --release` puts it.
+NETBLK = os.environ.get("NETBLK_BIN") or os.path.join(
+    os.environ.get("CARGO_TARGET_DIR") or os.path.join(ROOT, "target"), "release", "netblk")
 RESULTS = os.path.join(HERE, "RESULTS.md")
 NS = ("nbrbenchA", "nbrbenchB")
 VETH = ("nbrbva", "nbrbvb")

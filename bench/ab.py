@@ -79,10 +79,7 @@ def main():
 
     scratch = tempfile.mkdtemp(prefix="netblk-ab-", dir="/var/tmp")
     backing = os.path.join(scratch, "disk.img")
-    with open(backing, "wb") as f:
-        block = os.urandom(1 << 20)
-        for _ in range(bench.SIZE >> 20):
-            f.write(block)
+    bench.write_backing(backing)
     results = {}
     started = time.time()
     try:

@@ -152,6 +152,15 @@ LOCAL = "local-io_uring"
 PAGE_CACHE_ROWS = {"netblk-file", "nbdkit-file"}
 
 
+def write_backing(path):
+    """Writes the SIZE-byte backing file with real data, so that reads are not served from
+    holes."""
+    with open(path, "wb") as f:
+        block = os.urandom(1 << 20)
+        for _ in range(SIZE >> 20):
+            f.write(block)
+
+
 def settle_backing(path, warm):
     """Puts the backing file's page cache in the same state before every run, whatever the
     run before left: dirty pages written back and every cached page dropped, then, for a
@@ -571,10 +580,7 @@ def main():
     scratch = tempfile.mkdtemp(prefix="netblk-bench-", dir="/var/tmp")
     backing = os.path.join(scratch, "disk.img")
     if selected:
-        with open(backing, "wb") as f:  # real data, so reads are not served from holes
-            block = os.urandom(1 << 20)
-            for _ in range(SIZE >> 20):
-                f.write(block)
+        write_backing(backing)
     results = {}  # (workload, server) -> [run results]
     errors = {}
     started = time.time()

@@ -111,10 +111,7 @@ def main():
     with tempfile.TemporaryDirectory(dir="/var/tmp") as scratch:
         backing = os.path.join(scratch, "backing.img")
         if any(bench.SERVERS[s].kind == "file" for s in args.servers):
-            with open(backing, "wb") as f:  # real data, as bench.py writes it
-                block = os.urandom(1 << 20)
-                for _ in range(bench.SIZE >> 20):
-                    f.write(block)
+            bench.write_backing(backing)
         for round_no in range(1, args.rounds + 1):
             for server in args.servers:
                 for key, mbps in one_round(server, backing, args.sizes, args.runtime).items():

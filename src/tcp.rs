@@ -97,8 +97,9 @@ fn check_available(name: &str) -> Result<(), CongestionError> {
     })
 }
 
-/// Binds a TCP listener whose accepted connections start with netblk's settings (see
-/// [`tune_unconnected`]), so that none of them begins under another algorithm.
+/// Binds a TCP listener whose accepted connections start with netblk's settings
+/// (`TCP_NODELAY` and the chosen congestion control), so that none of them begins under
+/// another algorithm.
 pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     let listener = TcpListener::bind(addr).await?;
     tune_unconnected(&listener, &addr.to_string());
@@ -119,7 +120,7 @@ pub async fn connect(addr: SocketAddr) -> std::io::Result<TcpStream> {
 /// connections inherit them, or a socket about to connect): no Nagle delay for small replies,
 /// and the chosen congestion control from the first segment on. A failure is logged, never
 /// fatal: connections still work, with the system's settings.
-pub fn tune_unconnected(socket: impl AsFd, what: &str) {
+fn tune_unconnected(socket: impl AsFd, what: &str) {
     let fd = socket.as_fd();
     if let Err(e) = rustix::net::sockopt::set_tcp_nodelay(fd, true) {
         warn!("TCP_NODELAY for {what}: {e}");

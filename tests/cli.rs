@@ -149,11 +149,17 @@ fn server_side_congestion(server: &Server) -> String {
     // The greeting comes after the socket was tuned.
     let mut greeting = [0u8; 18];
     client.read_exact(&mut greeting).unwrap();
+    socket_congestion(server, "established")
+}
+
+/// The congestion control `ss` reports for the server's socket in `state` (`listening` or
+/// `established`).
+fn socket_congestion(server: &Server, state: &str) -> String {
     let port = server.tcp().rsplit(':').next().unwrap();
     let out = run_stdout(Command::new("ss").args([
         "-tin",
         "state",
-        "established",
+        state,
         "sport",
         "=",
         &format!(":{port}"),
@@ -170,10 +176,14 @@ fn server_side_congestion(server: &Server) -> String {
 fn connections_use_cubic_unless_told_otherwise() {
     // Measured reason in src/tcp.rs: the system default (bbr on some machines) halved
     // large reads over loopback.
+    // The listener carries it too, so that connections are born with it: a connection
+    // switched after its handshake keeps what the system's algorithm set up (src/tcp.rs).
     let server = Server::start(&["memory:1M"]);
+    assert_eq!(socket_congestion(&server, "listening"), "cubic");
     assert_eq!(server_side_congestion(&server), "cubic");
     drop(server);
     let server = Server::start(&["--tcp-congestion", "reno", "memory:1M"]);
+    assert_eq!(socket_congestion(&server, "listening"), "reno");
     assert_eq!(server_side_congestion(&server), "reno");
     drop(server);
     let out = netblk(&["serve", "--tcp-congestion", "no-such-cc", "memory:1M"]);

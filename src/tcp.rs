@@ -122,13 +122,9 @@ pub async fn connect(addr: SocketAddr) -> std::io::Result<TcpStream> {
 /// fatal: connections still work, with the system's settings.
 fn tune_unconnected(socket: impl AsFd, what: &str) {
     let fd = socket.as_fd();
-    if let Err(e) = rustix::net::sockopt::set_tcp_nodelay(fd, true) {
-        warn!("TCP_NODELAY for {what}: {e}");
-    }
+    set_nodelay(fd, what);
     if let Some(name) = chosen_congestion() {
-        if let Err(e) = rustix::net::sockopt::set_tcp_congestion(fd, name) {
-            warn!("TCP congestion control {name} for {what}: {e}");
-        }
+        set_congestion(fd, name, what);
     }
 }
 
@@ -139,17 +135,25 @@ fn tune_unconnected(socket: impl AsFd, what: &str) {
 /// logged, never fatal.
 pub fn tune(socket: impl AsFd, peer: &str) {
     let fd = socket.as_fd();
-    if let Err(e) = rustix::net::sockopt::set_tcp_nodelay(fd, true) {
-        warn!("TCP_NODELAY for {peer}: {e}");
-    }
+    set_nodelay(fd, peer);
     if let Some(name) = chosen_congestion() {
         let current = rustix::net::sockopt::get_tcp_congestion(fd).unwrap_or_default();
         if current != name {
             debug!("switching {peer} from {current} to {name} after the handshake");
-            if let Err(e) = rustix::net::sockopt::set_tcp_congestion(fd, name) {
-                warn!("TCP congestion control {name} for {peer}: {e}");
-            }
+            set_congestion(fd, name, peer);
         }
+    }
+}
+
+fn set_nodelay(fd: std::os::fd::BorrowedFd<'_>, what: &str) {
+    if let Err(e) = rustix::net::sockopt::set_tcp_nodelay(fd, true) {
+        warn!("TCP_NODELAY for {what}: {e}");
+    }
+}
+
+fn set_congestion(fd: std::os::fd::BorrowedFd<'_>, name: &str, what: &str) {
+    if let Err(e) = rustix::net::sockopt::set_tcp_congestion(fd, name) {
+        warn!("TCP congestion control {name} for {what}: {e}");
     }
 }
 

@@ -510,9 +510,9 @@ impl Pipeline {
     /// (`bench/ab.py`, 3 rounds, IOPS at server CPU µs per write): 64 KiB memory 62.2k at
     /// 15.6 against 50.9k at 17.9 (nbdkit 59.0k; a 5-round rerun: 48.6k at 16.8 against
     /// 44.5k at 18.5, both with slow rounds that the client's bbr causes); 256 KiB memory
-    /// 14.3k at 59.0 against 13.1k at 65.8 (nbdkit 13.0k); 4 KiB random writes at QD32, memory 3.80 against 3.96
-    /// µs and page cache 4.30 against 4.68. FUA writes, direct I/O and writes a replica must
-    /// also take still go through [`Backend::write`].
+    /// 14.3k at 59.0 against 13.1k at 65.8 (nbdkit 13.0k); 4 KiB random writes at QD32,
+    /// memory 3.80 against 3.96 µs and page cache 4.30 against 4.68. FUA writes, direct I/O
+    /// and writes a replica must also take still go through [`Backend::write`].
     fn write_inline(&mut self, header: &RequestHeader, command: &Command) -> bool {
         let &Command::Write {
             offset,
@@ -1703,6 +1703,13 @@ mod tests {
                 fail_write_at,
             }
         }
+
+        /// The error a write of `length` bytes at `offset` fails with, if it is the one
+        /// told to fail.
+        fn injected_failure(&self, offset: u64, length: usize) -> Option<BackendError> {
+            (self.fail_write_at == Some(offset))
+                .then(|| BackendError::plain("write", offset, length as u64, NbdError::Io))
+        }
     }
 
     impl<B: Backend> Backend for CountingReads<B> {
@@ -1730,14 +1737,8 @@ mod tests {
         ) -> crate::backend::BackendFuture<'_, ()> {
             self.writes
                 .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            if self.fail_write_at == Some(offset) {
-                let length = data.len() as u64;
-                return Box::pin(std::future::ready(Err(BackendError::plain(
-                    "write",
-                    offset,
-                    length,
-                    NbdError::Io,
-                ))));
+            if let Some(failure) = self.injected_failure(offset, data.len()) {
+                return Box::pin(std::future::ready(Err(failure)));
             }
             self.inner.write(offset, data, fua)
         }
@@ -1747,15 +1748,9 @@ mod tests {
             data: &[u8],
             fua: bool,
         ) -> Option<Result<(), BackendError>> {
-            let result = if self.fail_write_at == Some(offset) {
-                Some(Err(BackendError::plain(
-                    "write",
-                    offset,
-                    data.len() as u64,
-                    NbdError::Io,
-                )))
-            } else {
-                self.inner.write_inline(offset, data, fua)
+            let result = match self.injected_failure(offset, data.len()) {
+                Some(failure) => Some(Err(failure)),
+                None => self.inner.write_inline(offset, data, fua),
             };
             if result.is_some() {
                 self.inline_writes

@@ -7,6 +7,7 @@ use anyhow::{bail, Context};
 use tokio::net::UnixListener;
 
 use crate::server::Listener;
+use crate::tcp::TcpSettings;
 
 /// Where to listen.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,11 +37,12 @@ impl ListenAddr {
             .ok_or_else(|| format!("{text:?} resolves to no address"))
     }
 
-    /// Binds the address. A stale Unix socket file (nobody listening) is replaced.
-    pub async fn bind(&self) -> anyhow::Result<Listener> {
+    /// Binds the address, a TCP one with `tcp`'s settings. A stale Unix socket file (nobody listening) is replaced.
+    pub async fn bind(&self, tcp: &TcpSettings) -> anyhow::Result<Listener> {
         match self {
             ListenAddr::Tcp(addr) => {
-                let listener = crate::tcp::bind(*addr)
+                let listener = tcp
+                    .bind(*addr)
                     .await
                     .with_context(|| format!("binding {addr}"))?;
                 Ok(Listener::Tcp(listener))

@@ -13,6 +13,7 @@ use netblk::config::{Config, ExportConfig};
 use netblk::listen::ListenAddr;
 use netblk::server::{serve_on, ConnectionThreads, Export, ServerConfig, DEFAULT_MAX_MERGE};
 use netblk::size::parse_size;
+use netblk::tcp::TcpSettings;
 use netblk::wire::MAX_PAYLOAD;
 
 /// A network block device in user space: exports files, block devices or memory over the
@@ -244,7 +245,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
             (vec![export], Vec::new(), None, None)
         }
     };
-    netblk::tcp::choose_congestion(args.tcp_congestion.as_deref().or(congestion.as_deref()))?;
+    let tcp = TcpSettings::choose(args.tcp_congestion.as_deref().or(congestion.as_deref()))?;
     if !args.listen.is_empty() {
         listen = args.listen.clone();
     }
@@ -311,7 +312,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         let threads = ConnectionThreads::start(connection_threads)?;
         let mut listeners = Vec::new();
         for addr in &addrs {
-            listeners.push(addr.bind().await?);
+            listeners.push(addr.bind(&tcp).await?);
         }
         let mut stdout = std::io::stdout().lock();
         for listener in &listeners {
@@ -323,6 +324,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
             exports: opened,
             handshake_timeout,
             max_merge,
+            tcp,
         };
         serve_on(listeners, config, shutdown, Some(threads)).await
     })
@@ -342,7 +344,7 @@ fn run_replicated(args: &ServeArgs, path: &std::path::Path) -> anyhow::Result<()
         bail!("--listen does not apply to a resource file: each node's listen address is in it");
     }
     let handshake_timeout = args.handshake_timeout.unwrap_or(DEFAULT_HANDSHAKE_TIMEOUT);
-    netblk::tcp::choose_congestion(args.tcp_congestion.as_deref())?;
+    let tcp = TcpSettings::choose(args.tcp_congestion.as_deref())?;
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
     if let Some(threads) = args.threads {
         runtime.worker_threads(usize::from(threads));
@@ -352,7 +354,7 @@ fn run_replicated(args: &ServeArgs, path: &std::path::Path) -> anyhow::Result<()
     runtime.block_on(async move {
         let shutdown = shutdown_signal()?;
         let powercut = args.fault_injection.as_deref() == Some("powercut");
-        let node = Node::bind(resource, &name, primary, handshake_timeout, powercut).await?;
+        let node = Node::bind(resource, &name, primary, handshake_timeout, powercut, tcp).await?;
         let mut stdout = std::io::stdout().lock();
         writeln!(stdout, "listening on {}", node.client_listener())?;
         writeln!(stdout, "replicating on {}", node.replication_listener())?;

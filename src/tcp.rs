@@ -36,9 +36,6 @@ pub const DEFAULT_CONGESTION: &str = "cubic";
 /// The `--tcp-congestion` value that leaves the system default alone.
 pub const SYSTEM_CONGESTION: &str = "system";
 
-/// The algorithm chosen for this process; `None` keeps the system default.
-static CONGESTION: OnceLock<Option<String>> = OnceLock::new();
-
 /// Why a congestion control cannot be used.
 #[derive(Debug, thiserror::Error)]
 #[error("TCP congestion control {name:?} is not available here ({source}); available: {available}")]
@@ -48,37 +45,107 @@ pub struct CongestionError {
     available: String,
 }
 
-/// Chooses the congestion control for every socket this process opens or accepts from now on,
-/// after checking on a scratch socket that the kernel has it. `requested` is `None` for the
-/// default ([`DEFAULT_CONGESTION`], or the system's own when the kernel lacks it) or a name,
-/// [`SYSTEM_CONGESTION`] among them. The first call decides; later calls change nothing.
-pub fn choose_congestion(requested: Option<&str>) -> Result<(), CongestionError> {
-    let chosen = match requested {
-        None => default_congestion(),
-        Some(SYSTEM_CONGESTION) => None,
-        Some(name) => {
-            check_available(name)?;
-            Some(name.to_string())
-        }
-    };
-    let _ = CONGESTION.set(chosen);
-    Ok(())
+/// The settings a server gives its TCP sockets: `TCP_NODELAY` always, and a congestion
+/// control. Each server (its listeners, and a replicated node's peer links) carries its own,
+/// so two servers in one process can differ; [`TcpSettings::default`] is what `netblk serve`
+/// uses without `--tcp-congestion`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TcpSettings {
+    /// `None` keeps the system default.
+    congestion: Option<String>,
 }
 
-/// The congestion control sockets get, `None` for the system default.
-pub fn chosen_congestion() -> Option<&'static str> {
-    CONGESTION.get_or_init(default_congestion).as_deref()
-}
-
-/// [`DEFAULT_CONGESTION`], or the system's own (`None`) when the kernel lacks it.
-fn default_congestion() -> Option<String> {
-    match check_available(DEFAULT_CONGESTION) {
-        Ok(()) => Some(DEFAULT_CONGESTION.to_string()),
-        Err(e) => {
-            debug!("keeping the system's congestion control: {e}");
-            None
+impl Default for TcpSettings {
+    /// [`DEFAULT_CONGESTION`], or the system's own when the kernel lacks it.
+    fn default() -> TcpSettings {
+        TcpSettings {
+            congestion: default_congestion().map(str::to_string),
         }
     }
+}
+
+impl TcpSettings {
+    /// The settings for `requested`: `None` for the default, [`SYSTEM_CONGESTION`] to keep
+    /// the kernel's, or an algorithm's name, checked on a scratch socket so that a name the
+    /// kernel lacks is refused at start-up rather than logged on every connection.
+    pub fn choose(requested: Option<&str>) -> Result<TcpSettings, CongestionError> {
+        Ok(match requested {
+            None => TcpSettings::default(),
+            Some(SYSTEM_CONGESTION) => TcpSettings { congestion: None },
+            Some(name) => {
+                check_available(name)?;
+                TcpSettings {
+                    congestion: Some(name.to_string()),
+                }
+            }
+        })
+    }
+
+    /// The congestion control sockets get, `None` for the system default.
+    pub fn congestion(&self) -> Option<&str> {
+        self.congestion.as_deref()
+    }
+
+    /// Binds a TCP listener whose accepted connections start with these settings, so that
+    /// none of them begins under another algorithm.
+    pub async fn bind(&self, addr: SocketAddr) -> std::io::Result<TcpListener> {
+        let listener = TcpListener::bind(addr).await?;
+        self.tune_unconnected(&listener, &addr.to_string());
+        Ok(listener)
+    }
+
+    /// Connects to `addr` with these settings in place before the handshake.
+    pub async fn connect(&self, addr: SocketAddr) -> std::io::Result<TcpStream> {
+        let socket = match addr {
+            SocketAddr::V4(_) => TcpSocket::new_v4()?,
+            SocketAddr::V6(_) => TcpSocket::new_v6()?,
+        };
+        self.tune_unconnected(&socket, &addr.to_string());
+        socket.connect(addr).await
+    }
+
+    /// Applies the settings to a socket that is not connected yet (a listener, whose
+    /// accepted connections inherit them, or a socket about to connect): no Nagle delay for
+    /// small replies, and the congestion control from the first segment on. A failure is
+    /// logged, never fatal: connections still work, with the system's settings.
+    fn tune_unconnected(&self, socket: impl AsFd, what: &str) {
+        let fd = socket.as_fd();
+        set_nodelay(fd, what);
+        if let Some(name) = self.congestion() {
+            set_congestion(fd, name, what);
+        }
+    }
+
+    /// Applies the settings to a connected TCP socket: `TCP_NODELAY`, and the congestion
+    /// control if it does not have it yet. Connections from [`TcpSettings::bind`] and
+    /// [`TcpSettings::connect`] already have it; one that does not (a listener bound
+    /// elsewhere) is switched, which works but keeps whatever state the first algorithm set
+    /// up (see the module comment). A failure is logged, never fatal.
+    pub fn tune(&self, socket: impl AsFd, peer: &str) {
+        let fd = socket.as_fd();
+        set_nodelay(fd, peer);
+        if let Some(name) = self.congestion() {
+            let current = rustix::net::sockopt::get_tcp_congestion(fd).unwrap_or_default();
+            if current != name {
+                debug!("switching {peer} from {current} to {name} after the handshake");
+                set_congestion(fd, name, peer);
+            }
+        }
+    }
+}
+
+/// [`DEFAULT_CONGESTION`], or `None` (the system's own) when the kernel lacks it. Checked
+/// once per process: what the kernel offers does not change while it runs.
+fn default_congestion() -> Option<&'static str> {
+    static AVAILABLE: OnceLock<bool> = OnceLock::new();
+    let available = *AVAILABLE.get_or_init(|| match check_available(DEFAULT_CONGESTION) {
+        Ok(()) => true,
+        Err(e) => {
+            debug!("keeping the system's congestion control: {e}");
+            false
+        }
+    });
+    available.then_some(DEFAULT_CONGESTION)
 }
 
 fn check_available(name: &str) -> Result<(), CongestionError> {
@@ -95,54 +162,6 @@ fn check_available(name: &str) -> Result<(), CongestionError> {
             .map(|s| s.trim().to_string())
             .unwrap_or_else(|_| "unknown".into()),
     })
-}
-
-/// Binds a TCP listener whose accepted connections start with netblk's settings
-/// (`TCP_NODELAY` and the chosen congestion control), so that none of them begins under
-/// another algorithm.
-pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
-    let listener = TcpListener::bind(addr).await?;
-    tune_unconnected(&listener, &addr.to_string());
-    Ok(listener)
-}
-
-/// Connects to `addr` with netblk's settings in place before the handshake.
-pub async fn connect(addr: SocketAddr) -> std::io::Result<TcpStream> {
-    let socket = match addr {
-        SocketAddr::V4(_) => TcpSocket::new_v4()?,
-        SocketAddr::V6(_) => TcpSocket::new_v6()?,
-    };
-    tune_unconnected(&socket, &addr.to_string());
-    socket.connect(addr).await
-}
-
-/// Applies netblk's settings to a socket that is not connected yet (a listener, whose accepted
-/// connections inherit them, or a socket about to connect): no Nagle delay for small replies,
-/// and the chosen congestion control from the first segment on. A failure is logged, never
-/// fatal: connections still work, with the system's settings.
-fn tune_unconnected(socket: impl AsFd, what: &str) {
-    let fd = socket.as_fd();
-    set_nodelay(fd, what);
-    if let Some(name) = chosen_congestion() {
-        set_congestion(fd, name, what);
-    }
-}
-
-/// Applies netblk's settings to a connected TCP socket: `TCP_NODELAY`, and the chosen
-/// congestion control if it does not have it yet. Connections from [`bind`] and [`connect`]
-/// already have it; one that does not (a listener bound elsewhere) is switched, which works
-/// but keeps whatever state the first algorithm set up (see the module comment). A failure is
-/// logged, never fatal.
-pub fn tune(socket: impl AsFd, peer: &str) {
-    let fd = socket.as_fd();
-    set_nodelay(fd, peer);
-    if let Some(name) = chosen_congestion() {
-        let current = rustix::net::sockopt::get_tcp_congestion(fd).unwrap_or_default();
-        if current != name {
-            debug!("switching {peer} from {current} to {name} after the handshake");
-            set_congestion(fd, name, peer);
-        }
-    }
 }
 
 fn set_nodelay(fd: std::os::fd::BorrowedFd<'_>, what: &str) {
@@ -168,39 +187,65 @@ mod tests {
         (client, server)
     }
 
+    fn algorithm(socket: impl AsFd) -> String {
+        rustix::net::sockopt::get_tcp_congestion(socket).unwrap()
+    }
+
     #[test]
     fn tune_sets_nodelay_and_the_chosen_algorithm() {
         let (_client, server) = connected_pair();
-        tune(&server, "test");
+        let settings = TcpSettings::choose(Some("reno")).unwrap();
+        settings.tune(&server, "test");
         assert!(rustix::net::sockopt::get_tcp_nodelay(&server).unwrap());
-        let got = rustix::net::sockopt::get_tcp_congestion(&server).unwrap();
-        match chosen_congestion() {
-            Some(name) => assert_eq!(got, name),
-            None => assert!(!got.is_empty()),
-        }
+        assert_eq!(algorithm(&server), "reno");
     }
 
     #[tokio::test]
     async fn connections_start_with_the_chosen_algorithm_on_both_ends() {
         // Inherited from the listener and set before connecting, not switched afterwards: a
         // switch after the handshake would keep the first algorithm's pacing.
-        let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let settings = TcpSettings::default();
+        assert_eq!(settings.congestion(), Some(DEFAULT_CONGESTION));
+        let listener = settings.bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let (client, accepted) = tokio::join!(connect(addr), listener.accept());
+        let (client, accepted) = tokio::join!(settings.connect(addr), listener.accept());
         let (client, (server, _)) = (client.unwrap(), accepted.unwrap());
         for socket in [client.as_fd(), server.as_fd()] {
             assert!(rustix::net::sockopt::get_tcp_nodelay(socket).unwrap());
-            let got = rustix::net::sockopt::get_tcp_congestion(socket).unwrap();
-            match chosen_congestion() {
-                Some(name) => assert_eq!(got, name),
-                None => assert!(!got.is_empty()),
-            }
+            assert_eq!(algorithm(socket), DEFAULT_CONGESTION);
+        }
+    }
+
+    #[tokio::test]
+    async fn two_servers_in_one_process_keep_their_own_algorithms() {
+        // The choice belongs to each server's settings, not to the process: a second server
+        // (or a library user's) neither inherits nor overrides the first one's.
+        let reno = TcpSettings::choose(Some("reno")).unwrap();
+        let cubic = TcpSettings::choose(Some("cubic")).unwrap();
+        for (settings, name) in [(&reno, "reno"), (&cubic, "cubic"), (&reno, "reno")] {
+            let listener = settings.bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let (client, accepted) = tokio::join!(settings.connect(addr), listener.accept());
+            assert_eq!(algorithm(&listener), name);
+            assert_eq!(algorithm(client.unwrap()), name);
+            assert_eq!(algorithm(accepted.unwrap().0), name);
         }
     }
 
     #[test]
+    fn system_keeps_the_kernel_default() {
+        let settings = TcpSettings::choose(Some(SYSTEM_CONGESTION)).unwrap();
+        assert_eq!(settings.congestion(), None);
+        let (_client, server) = connected_pair();
+        let before = algorithm(&server);
+        settings.tune(&server, "test");
+        assert_eq!(algorithm(&server), before);
+        assert!(rustix::net::sockopt::get_tcp_nodelay(&server).unwrap());
+    }
+
+    #[test]
     fn an_unknown_algorithm_is_refused_with_the_available_ones() {
-        let e = check_available("no-such-algorithm").unwrap_err();
+        let e = TcpSettings::choose(Some("no-such-algorithm")).unwrap_err();
         let text = e.to_string();
         assert!(text.contains("no-such-algorithm"), "{text}");
         assert!(text.contains("available:"), "{text}");

@@ -31,6 +31,7 @@ use netblk::backend::file::FileBackend;
 use netblk::backend::powercut::PowerCut;
 use netblk::backend::{Backend, CacheMode};
 use netblk::server::{serve, Export, Listener, ServerConfig, DEFAULT_MAX_MERGE};
+use netblk::tcp::TcpSettings;
 
 fn crash_points() -> u64 {
     std::env::var("NETBLK_CRASH_POINTS")
@@ -131,6 +132,7 @@ fn acknowledged_writes_survive_a_power_cut_that_keeps_any_subset_of_the_cache() 
                     })],
                     handshake_timeout: Duration::from_secs(10),
                     max_merge: DEFAULT_MAX_MERGE,
+                    tcp: TcpSettings::default(),
                 };
                 let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
                 let served = tokio::spawn(serve(vec![Listener::Tcp(listener)], config, async {

@@ -20,6 +20,7 @@ use super::wire::{piece_checksums, write_flags, DiskState, Message, ResyncStatus
 use crate::backend::{
     Backend, BackendError, BackendFuture, Capabilities, Extent, ReadData, ZeroFlags,
 };
+use crate::tcp::TcpSettings;
 use crate::wire::NbdError;
 
 /// Regions a resync has in flight at once (8 MiB; 4 MiB resynced 410 MiB in 0.57–0.71 s,
@@ -98,6 +99,8 @@ pub struct Shared {
     pub local: Arc<dyn Backend>,
     pub resource: ResourceConfig,
     pub node: String,
+    /// The TCP settings of this node's replication links and client listener.
+    pub tcp: TcpSettings,
     pub meta: Mutex<Metadata>,
     pub peers: Vec<PeerSlot>,
     primary: AtomicBool,
@@ -123,6 +126,7 @@ impl Shared {
         resource: ResourceConfig,
         node: &str,
         mut meta: Metadata,
+        tcp: TcpSettings,
     ) -> Result<Arc<Shared>, MetaError> {
         meta.set_clean(false)?;
         // Every start is as secondary, as with DRBD: after a crash the other node may have
@@ -149,6 +153,7 @@ impl Shared {
         Ok(Arc::new(Shared {
             local,
             node: node.to_string(),
+            tcp,
             resource,
             meta: Mutex::new(meta),
             peers,

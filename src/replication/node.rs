@@ -16,6 +16,7 @@ use super::layer::{ReplicatedBackend, Shared};
 use super::meta::Metadata;
 use super::peer::run_replication;
 use crate::server::{serve, Export, Listener, ServerConfig};
+use crate::tcp::TcpSettings;
 
 /// A node with its listeners bound, ready to serve.
 pub struct Node {
@@ -37,6 +38,7 @@ impl Node {
         primary: bool,
         handshake_timeout: Duration,
         powercut: bool,
+        tcp: TcpSettings,
     ) -> anyhow::Result<Node> {
         let me = resource.node(name).map_err(anyhow::Error::msg)?.clone();
         let backend = me
@@ -64,14 +66,16 @@ impl Node {
                 meta.recovered_extents()
             );
         }
-        let shared = Shared::new(backend, resource, name, meta)?;
+        let shared = Shared::new(backend, resource, name, meta, tcp)?;
         if primary {
             shared.promote(false).map_err(anyhow::Error::msg)?;
         }
-        let replication = crate::tcp::bind(me.replication)
+        let replication = shared
+            .tcp
+            .bind(me.replication)
             .await
             .with_context(|| format!("binding replication address {}", me.replication))?;
-        let clients = me.listen.bind().await?;
+        let clients = me.listen.bind(&shared.tcp).await?;
         let control = bind_control(&me.control)
             .with_context(|| format!("binding control socket {}", me.control.display()))?;
         Ok(Node {
@@ -126,6 +130,7 @@ impl Node {
             exports: vec![export],
             handshake_timeout: self.handshake_timeout,
             max_merge: crate::server::DEFAULT_MAX_MERGE,
+            tcp: self.shared.tcp.clone(),
         };
         let result = serve(vec![self.clients], config, shutdown).await;
         // The final flush above reached every connected peer: nothing is missing there.
@@ -137,5 +142,46 @@ impl Node {
         self.shared.close();
         info!("metadata closed cleanly");
         result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_node_binds_its_listeners_with_its_own_tcp_settings() {
+        // The replication listener and a TCP client listener both carry the node's settings,
+        // so peer links and clients start under the chosen algorithm (see crate::tcp).
+        let dir = tempfile::tempdir().unwrap();
+        // A resource names fixed replication ports: take a free one.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let text = format!(
+            "[resource]\nname = \"r\"\nsize = \"8M\"\n\
+             [[node]]\nname = \"alpha\"\nreplication = \"127.0.0.1:{port}\"\nlisten = \"127.0.0.1:0\"\n\
+             backing = \"memory:8M\"\nmetadata = \"{dir}/alpha.meta\"\n\
+             [[node]]\nname = \"beta\"\nreplication = \"127.0.0.1:9\"\nlisten = \"127.0.0.1:0\"\n\
+             backing = \"memory:8M\"\nmetadata = \"{dir}/beta.meta\"\n",
+            dir = dir.path().display()
+        );
+        let resource = ResourceConfig::parse(&text, "test").unwrap();
+        let tcp = TcpSettings::choose(Some("reno")).unwrap();
+        let node = Node::bind(resource, "alpha", false, Duration::from_secs(5), false, tcp)
+            .await
+            .unwrap();
+        let algorithm =
+            |fd: std::os::fd::BorrowedFd<'_>| rustix::net::sockopt::get_tcp_congestion(fd).unwrap();
+        use std::os::fd::AsFd;
+        assert_eq!(algorithm(node.replication.as_fd()), "reno");
+        let crate::server::Listener::Tcp(clients) = &node.clients else {
+            panic!("a TCP client listener was asked for");
+        };
+        assert_eq!(algorithm(clients.as_fd()), "reno");
+        assert_eq!(node.shared.tcp.congestion(), Some("reno"));
+        node.shared.close();
     }
 }

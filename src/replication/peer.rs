@@ -262,7 +262,7 @@ async fn dial_loop(shared: Arc<Shared>, index: usize, mut stop: watch::Receiver<
         if *stop.borrow() {
             return;
         }
-        match tokio::time::timeout(shared.resource.peer_timeout, crate::tcp::connect(addr)).await {
+        match tokio::time::timeout(shared.resource.peer_timeout, shared.tcp.connect(addr)).await {
             Ok(Ok(stream)) => {
                 run_connection(Arc::clone(&shared), stream, addr, Some(index), stop.clone()).await;
             }
@@ -423,7 +423,7 @@ async fn run_connection(
     expected: Option<usize>,
     stop: watch::Receiver<bool>,
 ) {
-    crate::tcp::tune(&stream, &addr.to_string());
+    shared.tcp.tune(&stream, &addr.to_string());
     let (mut reader, mut writer) = stream.into_split();
     let timeout = shared.resource.peer_timeout;
     let mut out = BytesMut::new();

@@ -17,6 +17,7 @@ use crate::backend::memory::MemoryBackend;
 use crate::backend::{
     Backend, BackendError, BackendFuture, Capabilities, Extent, ReadData, ZeroFlags,
 };
+use crate::tcp::TcpSettings;
 use crate::wire::NbdError;
 
 const SIZE: u64 = 8 << 20;
@@ -124,7 +125,7 @@ async fn cluster(
         let path = dir.path().join(format!("{name}.meta"));
         let peers: Vec<String> = resource.peers_of(name).map(|n| n.name.clone()).collect();
         let meta = Metadata::open_or_create(&path, name, "t", &peers, SIZE).unwrap();
-        Shared::new(local, resource.clone(), name, meta).unwrap()
+        Shared::new(local, resource.clone(), name, meta, TcpSettings::default()).unwrap()
     };
     let primary = open("alpha", primary_local);
     let mut first_secondary_local = first_secondary_local;

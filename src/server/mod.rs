@@ -24,6 +24,7 @@ use tokio::sync::{mpsc, watch};
 use tracing::{info, warn, Instrument};
 
 use crate::backend::Backend;
+use crate::tcp::TcpSettings;
 
 /// One exported device.
 pub struct Export {
@@ -50,6 +51,9 @@ pub struct ServerConfig {
     /// Adjacent reads that arrive together are served by one backend read of up to this
     /// many bytes (0: never merge).
     pub max_merge: u32,
+    /// Settings for accepted TCP connections whose listener did not already give them
+    /// (listeners from [`crate::listen::ListenAddr::bind`] did).
+    pub tcp: TcpSettings,
 }
 
 /// The default for [`ServerConfig::max_merge`] (see ARCHITECTURE.md for the measurement).
@@ -151,7 +155,7 @@ async fn accept_loop(
     loop {
         let accepted = tokio::select! {
             _ = stop.wait_for(|s| *s) => return,
-            accepted = accept(&listener) => accepted,
+            accepted = accept(&listener, &config.tcp) => accepted,
         };
         match accepted {
             Ok((stream, peer)) => {
@@ -328,12 +332,12 @@ impl Stream for Box<dyn Stream> {
     }
 }
 
-async fn accept(listener: &Listener) -> std::io::Result<(Accepted, String)> {
+async fn accept(listener: &Listener, tcp: &TcpSettings) -> std::io::Result<(Accepted, String)> {
     match listener {
         Listener::Tcp(l) => {
             let (stream, peer) = l.accept().await?;
             let peer = peer.to_string();
-            crate::tcp::tune(&stream, &peer);
+            tcp.tune(&stream, &peer);
             Ok((Accepted::Tcp(stream.into_std()?), peer))
         }
         Listener::Unix(l, path) => {

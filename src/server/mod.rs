@@ -221,17 +221,26 @@ pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static {
     }
 }
 
-/// Runs a non-blocking socket write once the socket has room, waiting for room the way
-/// tokio's own writes do: `ready` polls writability, `attempt` tries the write (and clears
-/// the readiness when it would block).
-fn poll_when_writable(
+/// What the two tokio socket types offer for a write made outside tokio's own: readiness
+/// and a non-blocking attempt that clears it when the socket is full.
+trait RegisteredSocket: std::os::fd::AsFd {
+    fn poll_write_ready(&self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>>;
+    fn try_write_io(
+        &self,
+        attempt: impl FnOnce() -> std::io::Result<usize>,
+    ) -> std::io::Result<usize>;
+}
+
+/// Runs the non-blocking write `attempt` on `socket` once it has room, waiting for room the
+/// way tokio's own writes do.
+fn poll_socket_write(
+    socket: &impl RegisteredSocket,
     cx: &mut Context<'_>,
-    mut ready: impl FnMut(&mut Context<'_>) -> Poll<std::io::Result<()>>,
-    mut attempt: impl FnMut() -> std::io::Result<usize>,
+    mut attempt: impl FnMut(BorrowedFd<'_>) -> rustix::io::Result<usize>,
 ) -> Poll<std::io::Result<usize>> {
     loop {
-        std::task::ready!(ready(cx))?;
-        match attempt() {
+        std::task::ready!(socket.poll_write_ready(cx))?;
+        match socket.try_write_io(|| attempt(socket.as_fd()).map_err(std::io::Error::from)) {
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
             other => return Poll::Ready(other),
         }
@@ -241,6 +250,19 @@ fn poll_when_writable(
 /// A socket registered with tokio: its descriptor for the idle spin, and splices into it.
 macro_rules! socket_stream {
     ($socket:ty) => {
+        impl RegisteredSocket for $socket {
+            fn poll_write_ready(&self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+                <$socket>::poll_write_ready(self, cx)
+            }
+
+            fn try_write_io(
+                &self,
+                attempt: impl FnOnce() -> std::io::Result<usize>,
+            ) -> std::io::Result<usize> {
+                self.try_io(tokio::io::Interest::WRITABLE, attempt)
+            }
+        }
+
         impl Stream for $socket {
             fn socket_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
                 Some(std::os::fd::AsFd::as_fd(self))
@@ -256,23 +278,10 @@ macro_rules! socket_stream {
                 pipe: BorrowedFd<'_>,
                 len: usize,
             ) -> Poll<std::io::Result<usize>> {
-                poll_when_writable(
-                    cx,
-                    |cx| self.poll_write_ready(cx),
-                    || {
-                        self.try_io(tokio::io::Interest::WRITABLE, || {
-                            rustix::pipe::splice(
-                                pipe,
-                                None,
-                                self,
-                                None,
-                                len,
-                                rustix::pipe::SpliceFlags::NONBLOCK,
-                            )
-                            .map_err(std::io::Error::from)
-                        })
-                    },
-                )
+                poll_socket_write(self, cx, |socket| {
+                    let flags = rustix::pipe::SpliceFlags::NONBLOCK;
+                    rustix::pipe::splice(pipe, None, socket, None, len, flags)
+                })
             }
 
             fn poll_write_more(
@@ -280,21 +289,11 @@ macro_rules! socket_stream {
                 cx: &mut Context<'_>,
                 slices: &[std::io::IoSlice<'_>],
             ) -> Poll<std::io::Result<usize>> {
-                poll_when_writable(
-                    cx,
-                    |cx| self.poll_write_ready(cx),
-                    || {
-                        self.try_io(tokio::io::Interest::WRITABLE, || {
-                            rustix::net::sendmsg(
-                                self,
-                                slices,
-                                &mut rustix::net::SendAncillaryBuffer::default(),
-                                rustix::net::SendFlags::MORE | rustix::net::SendFlags::NOSIGNAL,
-                            )
-                            .map_err(std::io::Error::from)
-                        })
-                    },
-                )
+                poll_socket_write(self, cx, |socket| {
+                    let flags = rustix::net::SendFlags::MORE | rustix::net::SendFlags::NOSIGNAL;
+                    let mut no_ancillary = rustix::net::SendAncillaryBuffer::default();
+                    rustix::net::sendmsg(socket, slices, &mut no_ancillary, flags)
+                })
             }
         }
     };

@@ -1024,7 +1024,8 @@ enum SpinOutcome {
 /// takes each reply as it leaves (`bench/ab.py`, 3 rounds, memory / file, IOPS without →
 /// with: 4 KiB reads at iodepth 8 127k → 173k / 137k → 172k, writes 119k → 147k /
 /// 88k → 113k; random reads at iodepth 256 148k → 171k / 167k → 188k; at iodepth 32
-/// 183k → 179k / 189k → 191k at 4.99 → 4.52 / 4.02 → 3.89 µs of server CPU per request).
+/// 183k → 179k / 189k → 191k, and over 5 rounds the same server CPU per request either
+/// way: 5.04 / 5.05 µs memory, 4.11 / 4.07 µs file).
 ///
 /// A spin burns a CPU that the client or another connection may need, so it happens only
 ///   * when the busy period before it was short, at most [`SPIN_BUSY_MAX`] requests, and

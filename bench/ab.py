@@ -98,7 +98,7 @@ def main():
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
-    print(f"\n{'workload':22} {'row':22} {'IOPS median (min-max)':>30} {'MB/s':>8} {'CPU µs/req':>11} {'delayed ACKs':>13}")
+    print(f"\n{'workload':22} {'row':22} {'IOPS median (min-max)':>30} {'MB/s':>8} {'CPU µs/req':>11} {'delayed ACKs':>13} {'retrans':>9}")
     for name in work:
         for row in rows:
             runs = results.get((name, row), [])
@@ -108,9 +108,10 @@ def main():
             mbps = bench.median_range([r["mbps"] for r in runs])[0]
             cpus = [r["cpu_per_mreq"] for r in runs if r["cpu_per_mreq"]]
             cpu = bench.median_range(cpus)[0] if cpus else None
-            acks = sum(r["tcp"]["TcpExtDelayedACKs"] for r in runs)
+            acks = sum(r["tcp"].get("TcpExtDelayedACKs", 0) for r in runs)
+            retrans = sum(r["tcp"].get("TcpRetransSegs", 0) for r in runs)
             print(f"{name:22} {row:22} {iops:>12,.0f} ({lo:,.0f}-{hi:,.0f}) {mbps:>8,.0f} "
-                  f"{'' if cpu is None else f'{cpu:.2f}':>11} {acks:>13,}")
+                  f"{'' if cpu is None else f'{cpu:.2f}':>11} {acks:>13,} {retrans:>9,}")
 
 
 if __name__ == "__main__":

@@ -241,7 +241,11 @@ impl FileBackend {
                 (direct, block, memory_align)
             }
         };
-        let ring = Ring::new().context("setting up io_uring")?;
+        let ring = match cache {
+            CacheMode::None => Ring::for_direct_io(),
+            CacheMode::Writeback => Ring::new(),
+        }
+        .context("setting up io_uring")?;
         Ok(FileBackend {
             path: path.to_path_buf(),
             file: Arc::new(file),

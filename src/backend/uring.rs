@@ -14,6 +14,9 @@
 //! A connection that sends one request at a time has its writes and syncs run as plain
 //! system calls on its own thread instead ([`alone`]), which skips those hand-offs.
 //!
+//! A direct-I/O ring holds part of a burst back from a device that completes in batches,
+//! so the device keeps working while the client turns the rest around (`DepthCap`).
+//!
 //! Safety rests on ownership: every buffer and file an entry points at is moved into the
 //! entry's slot before the entry is pushed, and stays there until the kernel posts its
 //! completion, even if the waiting future is dropped. A semaphore keeps the number of
@@ -26,6 +29,7 @@
 #![allow(unsafe_code)]
 
 use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
@@ -149,6 +153,94 @@ struct RingState {
     submit_scheduled: bool,
     /// Completions handed to their waiters so far.
     handed_out: u64,
+    /// Entries kept out of the kernel while it holds as many as [`DepthCap::cap`] allows;
+    /// their slots are taken, so what they point at stays alive.
+    held: VecDeque<squeue::Entry>,
+    /// Entries ever held back (for tests and debugging).
+    held_so_far: u64,
+    depth: DepthCap,
+}
+
+/// Keeps a device that completes its requests in batches working on one part of a burst
+/// while the client turns the other part around.
+///
+/// This VM's virtio disk answers everything it holds at once, after a time that grows with
+/// how much it holds. A client with 32 requests in flight then sends them as one burst, the
+/// disk answers the burst together, and it sits empty while the replies travel and the
+/// client sends the next burst. Holding a quarter of the burst back and handing it to the
+/// disk the moment the rest completes keeps the disk busy through the turnaround. Measured
+/// with fio 4 KiB at QD32 (scratch build, a fixed limit, one run each): random writes
+/// 40.5k IOPS without a limit, 60.0k at 20 and 60.4k at 24 entries in the kernel, 51.8k at
+/// 28 (local fio 83k, qemu-nbd 44k); random reads 62.6k against 74.8k at 24. As committed,
+/// against the binary before (`bench/ab.py`, 3 rounds, the disk in a slower mode): random
+/// writes 19.7k → 26.7k, reads 63.0k → 71.2k; QD1, QD256, four connections, write+fsync
+/// and 1 MiB rows within noise.
+///
+/// A device that completes requests independently (NVMe) gains nothing from this and would
+/// lose queue depth, so the limit applies only while the completions handed out per reap
+/// are, on average, most of what the kernel held (an exponential average over reaps that
+/// found at least [`DepthCap::MIN_DEPTH`] entries in the kernel). The limit is three
+/// quarters of the most entries outstanding (in the kernel or held) in the last
+/// [`DepthCap::WINDOW`] submissions. Only direct-I/O rings use it: reads and writes of the
+/// page cache complete as they are submitted.
+#[derive(Debug, Clone)]
+struct DepthCap {
+    enabled: bool,
+    /// Average share of the kernel's entries that one reap hands out, in 1/1024ths.
+    batch_share: u32,
+    /// Most entries outstanding in the previous window and in the current one.
+    peak: usize,
+    window_peak: usize,
+    window_submissions: u32,
+}
+
+impl DepthCap {
+    /// Reaps with fewer entries in the kernel than this say nothing about batching.
+    const MIN_DEPTH: usize = 8;
+    /// Submissions per window of the outstanding peak.
+    const WINDOW: u32 = 1024;
+    /// An average share above this (of 1024) marks a device that completes in batches.
+    const BATCHY: u32 = 512;
+
+    fn new(enabled: bool) -> DepthCap {
+        DepthCap {
+            enabled,
+            batch_share: 0,
+            peak: 0,
+            window_peak: 0,
+            window_submissions: 0,
+        }
+    }
+
+    /// An entry was handed to the ring with `outstanding` entries in the kernel or held.
+    fn submitted(&mut self, outstanding: usize) {
+        self.window_peak = self.window_peak.max(outstanding);
+        self.window_submissions += 1;
+        if self.window_submissions >= Self::WINDOW {
+            self.peak = self.window_peak;
+            self.window_peak = 0;
+            self.window_submissions = 0;
+        }
+    }
+
+    /// A reap handed out `completions` while the kernel held `in_kernel` entries.
+    fn reaped(&mut self, in_kernel: usize, completions: usize) {
+        if in_kernel < Self::MIN_DEPTH || completions == 0 {
+            return;
+        }
+        let share = (completions.min(in_kernel) * 1024 / in_kernel) as u32;
+        // Exponential average with weight 1/8 for the newest reap.
+        self.batch_share = (self.batch_share * 7 + share) / 8;
+    }
+
+    /// How many entries the kernel may hold now.
+    fn cap(&self) -> usize {
+        let peak = self.peak.max(self.window_peak);
+        if !self.enabled || self.batch_share <= Self::BATCHY || peak < Self::MIN_DEPTH {
+            return usize::MAX;
+        }
+        peak * 3 / 4
+    }
 }
 
 impl RingState {
@@ -188,11 +280,19 @@ impl RingState {
         self.reap();
     }
 
-    /// Hands every posted completion to its waiter.
+    /// Entries the kernel holds (or will, once the queued ones are submitted).
+    fn in_kernel(&self) -> usize {
+        self.slots.len() - self.free.len() - self.held.len()
+    }
+
+    /// Hands every posted completion to its waiter, then lets held entries in.
     fn reap(&mut self) {
         let mut finished = Vec::new();
         for cqe in self.uring.completion() {
             finished.push((cqe.user_data() as usize, cqe.result()));
+        }
+        if !finished.is_empty() {
+            self.depth.reaped(self.in_kernel(), finished.len());
         }
         self.handed_out += finished.len() as u64;
         for (index, result) in finished {
@@ -203,6 +303,32 @@ impl RingState {
             let buffer = slot.buffer.take();
             // The waiter may have gone away; the slot (and what it kept alive) drops here.
             let _ = slot.done.send(Completion { result, buffer });
+        }
+        self.release_held(self.depth.cap());
+    }
+
+    /// Moves held entries into the submission queue while the kernel holds fewer than
+    /// `cap`, and submits them at once: the device should not wait for the reaper's turn.
+    fn release_held(&mut self, cap: usize) {
+        let mut released = false;
+        while self.in_kernel() < cap {
+            let Some(entry) = self.held.pop_front() else {
+                break;
+            };
+            // SAFETY: as in `Ring::push`: the entry points at memory its slot owns, and the
+            // slot is only emptied in `reap` after the kernel posted its completion.
+            if unsafe { self.uring.submission().push(&entry) }.is_err() {
+                self.held.push_front(entry);
+                break;
+            }
+            released = true;
+        }
+        if released {
+            let _ = retry_interrupted(|| {
+                self.uring.submit().map_err(|e| {
+                    rustix::io::Errno::from_io_error(&e).unwrap_or(rustix::io::Errno::IO)
+                })
+            });
         }
     }
 }
@@ -251,6 +377,16 @@ impl Ring {
     /// Sets up a ring. Completions are reaped by a task spawned on the runtime of the first
     /// submission (and again if that runtime has gone).
     pub fn new() -> io::Result<Arc<Ring>> {
+        Ring::build(false)
+    }
+
+    /// A ring for direct I/O: the same, and it holds entries back from a device that
+    /// completes in batches ([`DepthCap`]).
+    pub fn for_direct_io() -> io::Result<Arc<Ring>> {
+        Ring::build(true)
+    }
+
+    fn build(depth_cap: bool) -> io::Result<Arc<Ring>> {
         let uring = IoUring::builder()
             .setup_cqsize(COMPLETION_ENTRIES)
             .build(SUBMISSION_ENTRIES)?;
@@ -272,6 +408,9 @@ impl Ring {
                 reaper: None,
                 submit_scheduled: false,
                 handed_out: 0,
+                held: VecDeque::new(),
+                held_so_far: 0,
+                depth: DepthCap::new(depth_cap),
             }),
             submit_wanted: Notify::new(),
             hand_off_until: AtomicU64::new(0),
@@ -525,6 +664,14 @@ impl Ring {
         self.ensure_reaper(&mut state)?;
         let index = state.insert(slot);
         let entry = entry.user_data(index as u64);
+        let outstanding = state.slots.len() - state.free.len();
+        state.depth.submitted(outstanding);
+        if state.in_kernel() > state.depth.cap() {
+            // Let in by `reap` as the kernel's entries complete.
+            state.held.push_back(entry);
+            state.held_so_far += 1;
+            return Ok(());
+        }
         loop {
             // SAFETY: the entry points at memory owned by slot `index` (a pooled buffer or
             // a `Bytes`, both heap storage that does not move when the slot moves) and at a
@@ -672,7 +819,9 @@ impl Drop for RingState {
             reaper.abort();
         }
         // Entries still in flight point at buffers in `slots`: wait for the kernel to
-        // finish with them before the slots (and their memory) are freed.
+        // finish with them before the slots (and their memory) are freed. Held entries go
+        // in too, so that every slot ends with a completion.
+        self.release_held(usize::MAX);
         while self.slots.iter().any(Option::is_some) {
             if self.uring.submit_and_wait(1).is_err() {
                 break;
@@ -870,6 +1019,99 @@ mod tests {
                 assert!(buffer.as_ref().iter().all(|&b| b == (i % 251) as u8));
             }
         });
+    }
+
+    #[test]
+    fn the_depth_cap_holds_back_only_from_a_device_that_completes_in_batches() {
+        let mut cap = DepthCap::new(true);
+        for _ in 0..32 {
+            cap.submitted(32);
+        }
+        assert_eq!(cap.cap(), usize::MAX, "no reaps seen yet");
+        // A device that hands out everything it holds at each reap: a quarter held back.
+        for _ in 0..16 {
+            cap.reaped(32, 32);
+        }
+        assert_eq!(cap.cap(), 24);
+        // One that trickles (a few of 32 per reap) is left its full depth.
+        for _ in 0..32 {
+            cap.reaped(32, 3);
+        }
+        assert_eq!(cap.cap(), usize::MAX);
+        // Shallow reaps say nothing either way, and a page-cache ring never caps.
+        let mut shallow = DepthCap::new(true);
+        for _ in 0..64 {
+            shallow.submitted(4);
+            shallow.reaped(4, 4);
+        }
+        assert_eq!(shallow.cap(), usize::MAX);
+        let mut cached = DepthCap::new(false);
+        for _ in 0..64 {
+            cached.submitted(32);
+            cached.reaped(32, 32);
+        }
+        assert_eq!(cached.cap(), usize::MAX);
+    }
+
+    /// A direct-I/O ring that behaves as if its device completes in batches.
+    fn batchy_ring() -> Arc<Ring> {
+        let ring = Ring::for_direct_io().unwrap();
+        ring.lock().depth.batch_share = 1024;
+        ring
+    }
+
+    #[test]
+    fn entries_held_back_by_the_depth_cap_all_complete_in_place() {
+        let (_tmp, file) = scratch_file();
+        let ring = batchy_ring();
+        runtime().block_on(async {
+            let writes = (0..512u64).map(|i| {
+                let ring = Arc::clone(&ring);
+                let file = Arc::clone(&file);
+                tokio::spawn(async move {
+                    let data = Bytes::from(vec![(i % 251) as u8; 4096]);
+                    ring.write(&file, i * 4096, data, 0).await.unwrap()
+                })
+            });
+            for write in writes.collect::<Vec<_>>() {
+                assert_eq!(write.await.unwrap(), 4096);
+            }
+            for i in [0u64, 255, 511] {
+                let (n, buffer) = ring.read(&file, i * 4096, Buffer::take(4096)).await;
+                assert_eq!(n.unwrap(), 4096);
+                assert!(buffer.as_ref().iter().all(|&b| b == (i % 251) as u8));
+            }
+        });
+        let state = ring.lock();
+        assert!(state.held_so_far > 0, "the cap held nothing back");
+        assert!(state.held.is_empty());
+    }
+
+    #[test]
+    fn a_ring_dropped_with_entries_held_back_waits_for_them_all() {
+        // The entries' waiters are gone and the reaper never ran: dropping the ring must
+        // still let every held entry into the kernel and collect it, not wait forever.
+        let (_tmp, file) = scratch_file();
+        let ring = batchy_ring();
+        let rt = current_thread();
+        rt.block_on(async {
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            // Inside a plug nothing reaches the kernel, so the entries pile up past the cap.
+            let started = plugged(|| {
+                (0..64u64)
+                    .map(|i| {
+                        let data = Bytes::from(vec![7u8; 4096]);
+                        let mut write = Box::pin(ring.write(&file, i * 4096, data, 0));
+                        assert!(write.as_mut().poll(&mut cx).is_pending());
+                        write
+                    })
+                    .collect::<Vec<_>>()
+            });
+            assert!(!ring.lock().held.is_empty(), "some entries are held back");
+            drop(started);
+        });
+        drop(ring);
+        drop(rt);
     }
 
     #[test]

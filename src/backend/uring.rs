@@ -988,22 +988,36 @@ mod tests {
         assert_eq!(ran_on, thread);
     }
 
+    /// Writes blocks 0..count at once, block i filled with `i % 251`, each from its own task.
+    async fn write_blocks_at_once(ring: &Arc<Ring>, file: &Arc<File>, count: u64) {
+        let writes = (0..count).map(|i| {
+            let ring = Arc::clone(ring);
+            let file = Arc::clone(file);
+            tokio::spawn(async move {
+                let data = Bytes::from(vec![(i % 251) as u8; 4096]);
+                ring.write(&file, i * 4096, data, 0).await.unwrap()
+            })
+        });
+        for write in writes.collect::<Vec<_>>() {
+            assert_eq!(write.await.unwrap(), 4096);
+        }
+    }
+
+    /// Reads the blocks back and checks what [`write_blocks_at_once`] wrote there.
+    async fn check_blocks(ring: &Arc<Ring>, file: &Arc<File>, blocks: &[u64]) {
+        for &i in blocks {
+            let (n, buffer) = ring.read(file, i * 4096, Buffer::take(4096)).await;
+            assert_eq!(n.unwrap(), 4096);
+            assert!(buffer.as_ref().iter().all(|&b| b == (i % 251) as u8));
+        }
+    }
+
     #[test]
     fn many_requests_in_flight_complete_and_a_dropped_waiter_loses_nothing() {
         let (_tmp, file) = scratch_file();
         let ring = Ring::new().unwrap();
         runtime().block_on(async {
-            let writes = (0..2000u64).map(|i| {
-                let ring = Arc::clone(&ring);
-                let file = Arc::clone(&file);
-                tokio::spawn(async move {
-                    let data = Bytes::from(vec![(i % 251) as u8; 4096]);
-                    ring.write(&file, i * 4096, data, 0).await.unwrap()
-                })
-            });
-            for write in writes.collect::<Vec<_>>() {
-                assert_eq!(write.await.unwrap(), 4096);
-            }
+            write_blocks_at_once(&ring, &file, 2000).await;
             // A read whose waiter is dropped at once: its buffer stays with the ring
             // until the kernel is done, and later requests still complete.
             let abandoned = ring.read(&file, 0, Buffer::take(1 << 20));
@@ -1013,11 +1027,7 @@ mod tests {
                 tokio::time::timeout(std::time::Duration::ZERO, started.as_mut()).await;
             drop(polled_once);
             drop(started);
-            for i in [0u64, 999, 1999] {
-                let (n, buffer) = ring.read(&file, i * 4096, Buffer::take(4096)).await;
-                assert_eq!(n.unwrap(), 4096);
-                assert!(buffer.as_ref().iter().all(|&b| b == (i % 251) as u8));
-            }
+            check_blocks(&ring, &file, &[0, 999, 1999]).await;
         });
     }
 
@@ -1065,22 +1075,8 @@ mod tests {
         let (_tmp, file) = scratch_file();
         let ring = batchy_ring();
         runtime().block_on(async {
-            let writes = (0..512u64).map(|i| {
-                let ring = Arc::clone(&ring);
-                let file = Arc::clone(&file);
-                tokio::spawn(async move {
-                    let data = Bytes::from(vec![(i % 251) as u8; 4096]);
-                    ring.write(&file, i * 4096, data, 0).await.unwrap()
-                })
-            });
-            for write in writes.collect::<Vec<_>>() {
-                assert_eq!(write.await.unwrap(), 4096);
-            }
-            for i in [0u64, 255, 511] {
-                let (n, buffer) = ring.read(&file, i * 4096, Buffer::take(4096)).await;
-                assert_eq!(n.unwrap(), 4096);
-                assert!(buffer.as_ref().iter().all(|&b| b == (i % 251) as u8));
-            }
+            write_blocks_at_once(&ring, &file, 512).await;
+            check_blocks(&ring, &file, &[0, 255, 511]).await;
         });
         let state = ring.lock();
         assert!(state.held_so_far > 0, "the cap held nothing back");

@@ -176,6 +176,17 @@ fn set_congestion(fd: std::os::fd::BorrowedFd<'_>, name: &str, what: &str) {
     }
 }
 
+/// What tests of this crate read back from sockets.
+#[cfg(test)]
+pub(crate) mod test_support {
+    use std::os::fd::AsFd;
+
+    /// The congestion control a socket has.
+    pub(crate) fn algorithm(socket: impl AsFd) -> String {
+        rustix::net::sockopt::get_tcp_congestion(socket).unwrap()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -187,9 +198,7 @@ mod tests {
         (client, server)
     }
 
-    fn algorithm(socket: impl AsFd) -> String {
-        rustix::net::sockopt::get_tcp_congestion(socket).unwrap()
-    }
+    use super::test_support::algorithm;
 
     #[test]
     fn tune_sets_nodelay_and_the_chosen_algorithm() {

@@ -323,12 +323,14 @@ impl RingState {
             }
             released = true;
         }
-        if released {
-            let _ = retry_interrupted(|| {
-                self.uring.submit().map_err(|e| {
-                    rustix::io::Errno::from_io_error(&e).unwrap_or(rustix::io::Errno::IO)
-                })
-            });
+        if !released {
+            return;
+        }
+        // Submitted now, or by the next `submit` if this one fails.
+        while let Err(e) = self.uring.submit() {
+            if e.raw_os_error() != Some(libc_eintr()) {
+                break;
+            }
         }
     }
 }

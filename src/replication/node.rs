@@ -173,14 +173,12 @@ mod tests {
         let node = Node::bind(resource, "alpha", false, Duration::from_secs(5), false, tcp)
             .await
             .unwrap();
-        let algorithm =
-            |fd: std::os::fd::BorrowedFd<'_>| rustix::net::sockopt::get_tcp_congestion(fd).unwrap();
-        use std::os::fd::AsFd;
-        assert_eq!(algorithm(node.replication.as_fd()), "reno");
+        use crate::tcp::test_support::algorithm;
+        assert_eq!(algorithm(&node.replication), "reno");
         let crate::server::Listener::Tcp(clients) = &node.clients else {
             panic!("a TCP client listener was asked for");
         };
-        assert_eq!(algorithm(clients.as_fd()), "reno");
+        assert_eq!(algorithm(clients), "reno");
         assert_eq!(node.shared.tcp.congestion(), Some("reno"));
         node.shared.close();
     }

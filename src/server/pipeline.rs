@@ -985,7 +985,7 @@ static CONNECTIONS: AtomicUsize = AtomicUsize::new(0);
 const SPIN_IO_MAX: Duration = Duration::from_micros(200);
 /// A spin needs this many short busy periods in a row before it (and running a lone
 /// request on the connection's thread, this many single-request periods).
-const SPIN_AFTER_SINGLES: u32 = 8;
+const SPIN_AFTER_PERIODS: u32 = 8;
 /// A busy period of at most this many requests is short: the client keeps few requests in
 /// flight and waits for replies before it sends more, so the server's wake-up is on its
 /// critical path.
@@ -1029,7 +1029,7 @@ enum SpinOutcome {
 ///
 /// A spin burns a CPU that the client or another connection may need, so it happens only
 ///   * when the busy period before it was short, at most [`SPIN_BUSY_MAX`] requests, and
-///     [`SPIN_AFTER_SINGLES`] of them came in a row. (Sessions 7 and 8 allowed only single
+///     [`SPIN_AFTER_PERIODS`] of them came in a row. (Sessions 7 and 8 allowed only single
 ///     requests, and paused spinning when most spins caught a request within 8 µs: at
 ///     iodepth 32, before request coalescing, spinning through a CPU-bound client's
 ///     2–8 µs gaps raised the server's CPU per request from 5.7 to 8.2 µs. With coalescing
@@ -1129,13 +1129,13 @@ impl IdleSpin {
     /// Whether the connection is in the pattern an idle spin pays for: a run of short busy
     /// periods, and few enough connections on the server.
     fn few_in_flight(&self, connections: usize) -> bool {
-        self.short_periods >= SPIN_AFTER_SINGLES && connections <= self.max_spinners
+        self.short_periods >= SPIN_AFTER_PERIODS && connections <= self.max_spinners
     }
 
     /// Whether the connection has sent one request per busy period for a while, and the
     /// server has few enough connections: a client that waits for each reply.
     fn one_at_a_time(&self, connections: usize) -> bool {
-        self.singles >= SPIN_AFTER_SINGLES && connections <= self.max_spinners
+        self.singles >= SPIN_AFTER_PERIODS && connections <= self.max_spinners
     }
 
     /// The connection waits on a single request in the backend: in the pattern of one
@@ -1537,7 +1537,7 @@ mod spin_tests {
         ));
         assert!(inbuf.is_empty());
         let _ = rustix::net::recv(&server, &mut [0; 16], RecvFlags::DONTWAIT).unwrap();
-        single_periods(&mut spin, &server, SPIN_AFTER_SINGLES - 1);
+        single_periods(&mut spin, &server, SPIN_AFTER_PERIODS - 1);
         spin.request();
         client.write_all(b"next").unwrap();
         assert!(matches!(
@@ -1562,7 +1562,7 @@ mod spin_tests {
     fn no_spin_with_more_connections_than_spinners_or_without_a_socket() {
         let (server, mut client) = UnixStream::pair().unwrap();
         let mut spin = spinner();
-        single_periods(&mut spin, &server, SPIN_AFTER_SINGLES);
+        single_periods(&mut spin, &server, SPIN_AFTER_PERIODS);
         client.write_all(b"x").unwrap();
         let mut inbuf = BytesMut::new();
         spin.request();
@@ -1584,7 +1584,7 @@ mod spin_tests {
     fn a_closed_peer_ends_the_spin() {
         let (server, client) = UnixStream::pair().unwrap();
         let mut spin = spinner();
-        single_periods(&mut spin, &server, SPIN_AFTER_SINGLES);
+        single_periods(&mut spin, &server, SPIN_AFTER_PERIODS);
         drop(client);
         spin.request();
         let mut inbuf = BytesMut::new();
@@ -1622,7 +1622,7 @@ mod spin_tests {
         // lone request on the connection's thread (`uring::alone`) still needs single ones.
         let (server, mut client) = UnixStream::pair().unwrap();
         let mut spin = spinner();
-        periods_of(&mut spin, &server, 8, SPIN_AFTER_SINGLES);
+        periods_of(&mut spin, &server, 8, SPIN_AFTER_PERIODS);
         assert!(spin.few_in_flight(1));
         assert!(!spin.one_at_a_time(1));
         for _ in 0..8 {
@@ -1635,7 +1635,7 @@ mod spin_tests {
             SpinOutcome::Bytes
         ));
         assert_eq!(&inbuf[..], b"next");
-        periods_of(&mut spin, &server, 1, SPIN_AFTER_SINGLES);
+        periods_of(&mut spin, &server, 1, SPIN_AFTER_PERIODS);
         assert!(spin.one_at_a_time(1));
     }
 
@@ -1645,7 +1645,7 @@ mod spin_tests {
         // wake-up: however many spins catch a request at once, the next one still spins.
         let (server, mut client) = UnixStream::pair().unwrap();
         let mut spin = spinner();
-        single_periods(&mut spin, &server, SPIN_AFTER_SINGLES);
+        single_periods(&mut spin, &server, SPIN_AFTER_PERIODS);
         let mut inbuf = BytesMut::new();
         for _ in 0..1000 {
             client.write_all(b"r").unwrap();

@@ -16,7 +16,9 @@
 //! piece's data leaves as its own `OFFSET_DATA` chunk as soon as it is read, so a 32 MiB
 //! read starts flowing early instead of arriving as one burst. Large writes go the other
 //! way: each 1 MiB piece of the payload is handed to the backend as soon as it has arrived,
-//! and the reply follows the last piece.
+//! and the reply follows the last piece. When the backend keeps whole pages it can take
+//! over (memory, [`crate::backend::PageStore`]), a page-aligned payload is received from
+//! the socket straight into such pages, which are handed over as they fill.
 //!
 //! A connection whose client keeps few requests in flight spins briefly on its socket when it
 //! has nothing to do (and at iodepth 1 one that waits on a single request polls the
@@ -202,9 +204,79 @@ struct PendingPayload {
     header: RequestHeader,
     command: Command,
     direct: Option<(Buffer, usize)>,
+    /// The payload is received into the backend's own pages instead (set only when
+    /// `direct` is not).
+    paged: Option<PagedPayload>,
     /// Payload bytes before `direct`'s buffer, already handed to the backend as pieces.
     sent: usize,
     streamed: Option<Arc<Mutex<StreamedWrite>>>,
+}
+
+/// A write payload received straight into pages of the backend's [`PageStore`], one page
+/// at a time, each handed over once full.
+///
+/// One page per socket read, not several with one `readv`: the kernel copies into cold
+/// pages with the socket locked, and the client's packets wait for the lock meanwhile.
+/// Measured with fio 4 MiB writes at QD8 (memory export, two runs each, IOPS at server CPU
+/// µs per write): 16 pages per read 773–809 at 790, 4 pages 897–908 at 768, 2 pages
+/// 947–994 at 761–774, one page 999–1,054 at 753–781; the build before (copied from a
+/// pooled buffer) 962–985 at 920–939.
+///
+/// [`PageStore`]: crate::backend::PageStore
+struct PagedPayload {
+    /// Where `page` goes.
+    offset: u64,
+    /// The page being filled; `None` once the whole payload is in place.
+    page: Option<Box<[u8]>>,
+    /// Bytes of `page` received.
+    filled: usize,
+    /// Payload bytes after `page`.
+    after: usize,
+}
+
+impl PagedPayload {
+    /// The first page of a payload of `length` bytes (a multiple of the page size) for
+    /// `offset`.
+    fn new(store: &dyn crate::backend::PageStore, offset: u64, length: usize) -> PagedPayload {
+        PagedPayload {
+            offset,
+            page: Some(store.spare_page()),
+            filled: 0,
+            after: length - store.page_size(),
+        }
+    }
+
+    /// What is left to receive of the page being filled.
+    fn room(&mut self) -> &mut [u8] {
+        let page = self.page.as_mut().expect("a page is being filled");
+        &mut page[self.filled..]
+    }
+
+    /// Copies what `bytes` has of the page being filled into it; returns how much it took.
+    fn fill_from(&mut self, bytes: &[u8]) -> usize {
+        let room = self.room();
+        let n = room.len().min(bytes.len());
+        room[..n].copy_from_slice(&bytes[..n]);
+        self.filled += n;
+        n
+    }
+
+    /// Hands the page over once full and takes a spare one for the rest; true once the
+    /// whole payload is in place.
+    fn hand_over(&mut self, store: &dyn crate::backend::PageStore) -> bool {
+        let page_size = store.page_size();
+        if self.filled == page_size {
+            let page = self.page.take().expect("a full page is being filled");
+            store.adopt_page(self.offset, page);
+            self.offset += page_size as u64;
+            self.filled = 0;
+            if self.after > 0 {
+                self.page = Some(store.spare_page());
+                self.after -= page_size;
+            }
+        }
+        self.page.is_none()
+    }
 }
 
 /// One client read inside a merged backend read.
@@ -363,6 +435,28 @@ impl Pipeline {
                 }
             }
             if let Some(mut pending) = self.awaiting_payload.take() {
+                if let Some(paged) = &mut pending.paged {
+                    let taken = paged.fill_from(&self.inbuf);
+                    self.inbuf.advance(taken);
+                    let store = self
+                        .backend
+                        .page_store()
+                        .expect("paged payloads need a store");
+                    if !paged.hand_over(store) {
+                        // More of the payload may wait in the read buffer than the pages
+                        // being filled took.
+                        let more_buffered = !self.inbuf.is_empty();
+                        self.awaiting_payload = Some(pending);
+                        if more_buffered {
+                            continue;
+                        }
+                        return Ok(());
+                    }
+                    let enc = self.encoder(pending.header.cookie, pending.header.offset);
+                    let release = pending.header.length;
+                    self.outq.extend(status_reply(enc, Ok(()), release));
+                    continue;
+                }
                 let need = pending.header.length as usize;
                 let payload = match pending.direct.take() {
                     Some((mut buffer, mut filled)) => {
@@ -429,6 +523,17 @@ impl Pipeline {
                         if self.write_inline(&header, &command) {
                             continue;
                         }
+                        if let Some(paged) = self.paged_payload(&command) {
+                            self.awaiting_payload = Some(PendingPayload {
+                                header,
+                                command,
+                                direct: None,
+                                paged: Some(paged),
+                                sent: 0,
+                                streamed: None,
+                            });
+                            continue;
+                        }
                         // Every byte of a pooled buffer is overwritten by the payload
                         // before it is used.
                         let len = payload_len as usize;
@@ -448,6 +553,7 @@ impl Pipeline {
                             header,
                             command,
                             direct,
+                            paged: None,
                             sent: 0,
                             streamed,
                         });
@@ -535,6 +641,22 @@ impl Pipeline {
         self.outq
             .extend(status_reply(enc, result, u64::from(length)));
         true
+    }
+
+    /// A write whose payload is to be received straight into the backend's pages: one of
+    /// [`MIN_POOLED`] bytes or more, page-aligned at both ends, to a backend with a
+    /// [`PageStore`](crate::backend::PageStore). Its first pages are taken now.
+    fn paged_payload(&self, command: &Command) -> Option<PagedPayload> {
+        let &Command::Write { offset, length, .. } = command else {
+            return None;
+        };
+        let store = self.backend.page_store()?;
+        let page_size = store.page_size();
+        let aligned = offset % page_size as u64 == 0 && length as usize % page_size == 0;
+        if !aligned || (length as usize) < MIN_POOLED {
+            return None;
+        }
+        Some(PagedPayload::new(store, offset, length as usize))
     }
 
     /// Starts a validated request. A write's payload budget was taken when its header was
@@ -857,6 +979,16 @@ impl Pipeline {
                     self.inbuf.reserve(READ_ROOM);
                 }
                 let polled = match &mut self.awaiting_payload {
+                    // A payload received into the backend's pages, with nothing of it left
+                    // in the read buffer: read it straight into them.
+                    Some(PendingPayload {
+                        paged: Some(paged), ..
+                    }) if self.inbuf.is_empty() => {
+                        poll_read_into(stream.as_mut(), cx, paged.room()).map_ok(|n| {
+                            paged.filled += n;
+                            n
+                        })
+                    }
                     // A large payload, with nothing of it left in the read buffer: read it
                     // straight into its own buffer.
                     Some(PendingPayload {
@@ -864,16 +996,11 @@ impl Pipeline {
                         ..
                     }) if self.inbuf.is_empty() => {
                         let need = buffer.len();
-                        let mut window = ReadBuf::new(&mut buffer.as_mut()[*filled..need]);
-                        match stream.as_mut().poll_read(cx, &mut window) {
-                            Poll::Ready(Ok(())) => {
-                                let n = window.filled().len();
+                        poll_read_into(stream.as_mut(), cx, &mut buffer.as_mut()[*filled..need])
+                            .map_ok(|n| {
                                 *filled += n;
-                                Poll::Ready(Ok(n))
-                            }
-                            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
-                            Poll::Pending => Poll::Pending,
-                        }
+                                n
+                            })
                     }
                     // After a large write, read only a little: the next request is likely
                     // another large write, whose payload then goes straight into its own
@@ -1244,6 +1371,18 @@ impl Drop for SpinSlot {
     fn drop(&mut self) {
         SPINNERS.fetch_sub(1, Ordering::AcqRel);
     }
+}
+
+/// Reads from `stream` straight into `room` (not through the read buffer); returns how
+/// many bytes came, 0 at the end of the stream.
+fn poll_read_into<S: Stream + ?Sized>(
+    stream: Pin<&mut S>,
+    cx: &mut Context<'_>,
+    room: &mut [u8],
+) -> Poll<std::io::Result<usize>> {
+    let mut window = ReadBuf::new(room);
+    std::task::ready!(stream.poll_read(cx, &mut window))?;
+    Poll::Ready(Ok(window.filled().len()))
 }
 
 fn status_reply(enc: ReplyEncoder, result: Result<(), BackendError>, release: u64) -> Replies {
@@ -1668,7 +1807,7 @@ mod tests {
     use std::collections::HashMap;
 
     use super::*;
-    use crate::backend::memory::MemoryBackend;
+    use crate::backend::memory::{MemoryBackend, PAGE_SIZE};
     use crate::server::{handle_connection, Export, ServerConfig};
     use crate::wire::handshake::{ClientOption, InfoRequest, OptionReply};
     use crate::wire::transmission::DecodedReply;
@@ -2043,6 +2182,77 @@ mod tests {
         }
         sender.await.unwrap();
         assert_landed(&backend, expected).await;
+    }
+
+    /// Page-aligned writes to a memory export, sent back to back with small requests and
+    /// unaligned writes between them, are received straight into pages the backend takes
+    /// over, and every byte lands in place, twice over (the second round reuses the pages
+    /// the first replaced); a read after them sees what was written.
+    #[tokio::test]
+    async fn aligned_writes_received_into_the_backends_pages_land_whole() {
+        let memory = Arc::new(MemoryBackend::new(64 << 20, false));
+        let page = PAGE_SIZE as usize;
+        let (client, server) = tokio::net::UnixStream::pair().unwrap();
+        let client =
+            serve_and_negotiate(Arc::clone(&memory) as Arc<dyn Backend>, client, server).await;
+        let (mut rx, mut tx) = client.into_split();
+        // (offset, length), none overlapping: aligned writes of one page up to 32 MiB, an
+        // unaligned one and a small one.
+        let writes = [
+            (0, page),
+            (4 * page, 4 * page),
+            (16 * page, 3 * WRITE_PIECE as usize + page),
+            (100 * page + 512, 2 * page),
+            (200 * page, 3),
+            (256 * page, MAX_PAYLOAD as usize),
+        ];
+        let mut expected = vec![0u8; 64 << 20];
+        let check = 40 * page;
+        for round in 0..2 {
+            let mut stream = Vec::new();
+            for (i, &(offset, len)) in writes.iter().enumerate() {
+                let data: Vec<u8> = (0..len)
+                    .map(|j| ((round * 7 + i * 29 + j * 3) % 241) as u8)
+                    .collect();
+                stream.extend(request(cmd::WRITE, 0, i as u64, offset as u64, len as u64));
+                stream.extend(&data);
+                stream.extend(request(cmd::FLUSH, 0, 100 + i as u64, 0, 0));
+                expected[offset..offset + len].copy_from_slice(&data);
+            }
+            stream.extend(request(cmd::READ, 0, 99, 0, check as u64));
+            tx.write_all(&stream).await.unwrap();
+            let mut answered = 0;
+            // Holes (pages never written) come as OFFSET_HOLE chunks and stay zero here.
+            let mut read_back = vec![0u8; check];
+            while answered < 2 * writes.len() + 1 {
+                let (flags, kind, cookie, payload) = read_chunk(&mut rx).await;
+                assert!(kind != reply::TYPE_ERROR, "cookie {cookie} failed");
+                if cookie == 99 && kind == reply::TYPE_OFFSET_DATA {
+                    let at = u64::from_be_bytes(payload[..8].try_into().unwrap()) as usize;
+                    read_back[at..at + payload.len() - 8].copy_from_slice(&payload[8..]);
+                }
+                if flags & reply::FLAG_DONE != 0 {
+                    answered += 1;
+                }
+            }
+            assert!(
+                read_back == expected[..check],
+                "round {round}: the read differs"
+            );
+            let stored = memory.read(0, 64 << 20).await.unwrap().bytes();
+            assert!(
+                stored[..] == expected[..],
+                "round {round}: a write landed wrong"
+            );
+        }
+        // The 3 MiB and 32 MiB writes cannot be taken from the read buffer whole: at least
+        // their pages were handed over, in both rounds.
+        let at_least = 2 * (3 * WRITE_PIECE as usize + page + MAX_PAYLOAD as usize) / page;
+        assert!(
+            memory.pages_adopted() >= at_least as u64,
+            "{} pages handed over",
+            memory.pages_adopted()
+        );
     }
 
     #[tokio::test]

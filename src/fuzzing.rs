@@ -248,6 +248,19 @@ pub fn seed_corpus() -> Vec<(&'static str, String, Vec<u8>)> {
         stream.extend(request(42, 0, 11, 0, 0));
         stream.extend(request(cmd::DISC, 0, 12, 0, 0));
         seeds.push(("requests", format!("session-mode{mode}"), stream));
+
+        // Page-aligned writes, which a memory export receives straight into its pages,
+        // the last one cut off inside its payload.
+        let page = crate::backend::memory::PAGE_SIZE;
+        let mut paged = vec![mode];
+        paged.extend(request(cmd::WRITE, write_flags, 1, 0, page));
+        paged.extend(vec![0x11; page as usize]);
+        paged.extend(request(cmd::WRITE, write_flags, 2, 2 * page, 2 * page));
+        paged.extend(vec![0x22; 2 * page as usize]);
+        paged.extend(request(cmd::READ, 0, 3, page / 2, 3 * page));
+        paged.extend(request(cmd::WRITE, write_flags, 4, 8 * page, 4 * page));
+        paged.extend(vec![0x44; page as usize + 1000]);
+        seeds.push(("requests", format!("paged-writes-mode{mode}"), paged));
     }
     let mut all_kinds = bytes::BytesMut::new();
     for message in crate::replication::wire::example_messages() {

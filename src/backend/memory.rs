@@ -22,8 +22,9 @@ use super::{Backend, BackendFuture, Capabilities, Extent, PageStore, ReadData, Z
 /// Bytes per page: the allocation and hole granularity.
 pub const PAGE_SIZE: u64 = 64 * 1024;
 const SHARDS: u64 = 64;
-/// Replaced pages kept for payloads to be received into ([`PageStore::spare_page`]):
-/// enough for a few streamed 1 MiB writes per connection, 32 MiB in all.
+/// Replaced pages kept for payloads to be received into ([`PageStore::spare_page`]), 32
+/// MiB at most. Only pages that writes replace become spares (a write that takes a spare
+/// gives one back, so the count holds steady); pages that TRIM releases are freed.
 const MAX_SPARE_PAGES: usize = 512;
 
 /// A page, shared with the reads that hold it; writable in place only when nobody else does.
@@ -176,10 +177,8 @@ impl MemoryBackend {
         Self::for_each_piece(offset, length, |page, in_page, _, len| {
             let mut shard = self.shard(page).write().unwrap_or_else(|e| e.into_inner());
             if punch && len as u64 == PAGE_SIZE {
-                if let Some(released) = shard.remove(&page) {
-                    drop(shard);
-                    self.recycle(released);
-                }
+                // Released, not kept as a spare: a trim gives the memory back.
+                shard.remove(&page);
             } else if let Some(bytes) = shard.get_mut(&page) {
                 writable(bytes)[in_page..in_page + len].fill(0);
             } else if !punch {

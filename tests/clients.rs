@@ -717,6 +717,17 @@ fn fio_randrw_verifies_at_depth_64_over_tcp() {
     fio_verify(&server, &server.uri());
 }
 
+/// Writes of 64 KiB to 4 MiB at 64 KiB-aligned offsets: a memory export receives them
+/// straight into pages it takes over (`backend::PageStore`); fio checks every block read
+/// back, while reads still hold pages that later writes replace.
+#[test]
+fn fio_verifies_page_aligned_memory_writes_received_into_pages() {
+    let Some(server) = server_for("fio", &["memory:64M"]) else {
+        return;
+    };
+    fio_verify_sizes(&server, &server.uri(), "--bsrange=64k-4m");
+}
+
 #[test]
 fn fio_randrw_verifies_at_depth_64_over_a_unix_socket() {
     if !have("fio") {

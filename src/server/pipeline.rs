@@ -645,7 +645,7 @@ impl Pipeline {
 
     /// A write whose payload is to be received straight into the backend's pages: one of
     /// [`MIN_POOLED`] bytes or more, page-aligned at both ends, to a backend with a
-    /// [`PageStore`](crate::backend::PageStore). Its first pages are taken now.
+    /// [`PageStore`](crate::backend::PageStore). Its first page is taken now.
     fn paged_payload(&self, command: &Command) -> Option<PagedPayload> {
         let &Command::Write { offset, length, .. } = command else {
             return None;

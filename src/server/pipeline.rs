@@ -195,21 +195,27 @@ pub async fn run<S: Stream>(
     let _ = stream.shutdown().await;
 }
 
-/// A write whose payload is still arriving. Payloads of [`MIN_POOLED`] bytes or more are
-/// read straight from the socket into a pooled buffer (`direct`, with how much is filled);
-/// smaller ones are split off the read buffer. Payloads over [`WRITE_PIECE`] are gathered
-/// a piece at a time, and each full piece is written to the backend while the rest of the
-/// payload still arrives (`streamed`).
+/// A write whose payload is still arriving, and where it is gathered (`into`). Payloads
+/// over [`WRITE_PIECE`] that go into a pooled buffer are gathered a piece at a time, and
+/// each full piece is written to the backend while the rest of the payload still arrives
+/// (`streamed`).
 struct PendingPayload {
     header: RequestHeader,
     command: Command,
-    direct: Option<(Buffer, usize)>,
-    /// The payload is received into the backend's own pages instead (set only when
-    /// `direct` is not).
-    paged: Option<PagedPayload>,
-    /// Payload bytes before `direct`'s buffer, already handed to the backend as pieces.
+    into: PayloadInto,
+    /// Payload bytes before the pooled buffer, already handed to the backend as pieces.
     sent: usize,
     streamed: Option<Arc<Mutex<StreamedWrite>>>,
+}
+
+/// Where a pending write's payload is gathered.
+enum PayloadInto {
+    /// Split off the read buffer once it is all there (payloads under [`MIN_POOLED`]).
+    ReadBuffer,
+    /// Read straight from the socket into a pooled buffer, with how much of it is filled.
+    Pooled(Buffer, usize),
+    /// Read straight into pages the backend takes over.
+    Pages(PagedPayload),
 }
 
 /// A write payload received straight into pages of the backend's [`PageStore`], one page
@@ -435,38 +441,39 @@ impl Pipeline {
                 }
             }
             if let Some(mut pending) = self.awaiting_payload.take() {
-                if let Some(paged) = &mut pending.paged {
-                    let taken = paged.fill_from(&self.inbuf);
-                    self.inbuf.advance(taken);
-                    let store = self
-                        .backend
-                        .page_store()
-                        .expect("paged payloads need a store");
-                    if !paged.hand_over(store) {
-                        // More of the payload may wait in the read buffer than the pages
-                        // being filled took.
-                        let more_buffered = !self.inbuf.is_empty();
-                        self.awaiting_payload = Some(pending);
-                        if more_buffered {
-                            continue;
-                        }
-                        return Ok(());
-                    }
-                    let enc = self.encoder(pending.header.cookie, pending.header.offset);
-                    let release = pending.header.length;
-                    self.outq.extend(status_reply(enc, Ok(()), release));
-                    continue;
-                }
                 let need = pending.header.length as usize;
-                let payload = match pending.direct.take() {
-                    Some((mut buffer, mut filled)) => {
+                let payload = match std::mem::replace(&mut pending.into, PayloadInto::ReadBuffer) {
+                    PayloadInto::Pages(mut paged) => {
+                        let taken = paged.fill_from(&self.inbuf);
+                        self.inbuf.advance(taken);
+                        let store = self
+                            .backend
+                            .page_store()
+                            .expect("paged payloads need a store");
+                        if !paged.hand_over(store) {
+                            // More of the payload may wait in the read buffer than the page
+                            // being filled took.
+                            let more_buffered = !self.inbuf.is_empty();
+                            pending.into = PayloadInto::Pages(paged);
+                            self.awaiting_payload = Some(pending);
+                            if more_buffered {
+                                continue;
+                            }
+                            return Ok(());
+                        }
+                        let enc = self.encoder(pending.header.cookie, pending.header.offset);
+                        let release = pending.header.length;
+                        self.outq.extend(status_reply(enc, Ok(()), release));
+                        continue;
+                    }
+                    PayloadInto::Pooled(mut buffer, mut filled) => {
                         let want = buffer.len();
                         let n = (want - filled).min(self.inbuf.len());
                         buffer.as_mut()[filled..filled + n].copy_from_slice(&self.inbuf[..n]);
                         self.inbuf.advance(n);
                         filled += n;
                         if filled < want {
-                            pending.direct = Some((buffer, filled));
+                            pending.into = PayloadInto::Pooled(buffer, filled);
                             self.awaiting_payload = Some(pending);
                             return Ok(());
                         }
@@ -476,19 +483,19 @@ impl Pipeline {
                             pending.sent += want;
                             if pending.sent < need {
                                 let next = (need - pending.sent).min(WRITE_PIECE as usize);
-                                pending.direct = Some((Buffer::take(next), 0));
+                                pending.into = PayloadInto::Pooled(Buffer::take(next), 0);
                                 self.awaiting_payload = Some(pending);
                             }
                             continue;
                         }
                         buffer.into_bytes()
                     }
-                    None if self.inbuf.len() < need => {
+                    PayloadInto::ReadBuffer if self.inbuf.len() < need => {
                         self.inbuf.reserve(need - self.inbuf.len());
                         self.awaiting_payload = Some(pending);
                         return Ok(());
                     }
-                    None => self.inbuf.split_to(need).freeze(),
+                    PayloadInto::ReadBuffer => self.inbuf.split_to(need).freeze(),
                 };
                 self.admit(pending.header, pending.command, Some(payload));
                 continue;
@@ -527,8 +534,7 @@ impl Pipeline {
                             self.awaiting_payload = Some(PendingPayload {
                                 header,
                                 command,
-                                direct: None,
-                                paged: Some(paged),
+                                into: PayloadInto::Pages(paged),
                                 sent: 0,
                                 streamed: None,
                             });
@@ -548,12 +554,15 @@ impl Pipeline {
                         } else {
                             len
                         };
-                        let direct = (len >= MIN_POOLED).then(|| (Buffer::take(first), 0));
+                        let into = if len >= MIN_POOLED {
+                            PayloadInto::Pooled(Buffer::take(first), 0)
+                        } else {
+                            PayloadInto::ReadBuffer
+                        };
                         self.awaiting_payload = Some(PendingPayload {
                             header,
                             command,
-                            direct,
-                            paged: None,
+                            into,
                             sent: 0,
                             streamed,
                         });
@@ -982,7 +991,8 @@ impl Pipeline {
                     // A payload received into the backend's pages, with nothing of it left
                     // in the read buffer: read it straight into them.
                     Some(PendingPayload {
-                        paged: Some(paged), ..
+                        into: PayloadInto::Pages(paged),
+                        ..
                     }) if self.inbuf.is_empty() => {
                         poll_read_into(stream.as_mut(), cx, paged.room()).map_ok(|n| {
                             paged.filled += n;
@@ -992,7 +1002,7 @@ impl Pipeline {
                     // A large payload, with nothing of it left in the read buffer: read it
                     // straight into its own buffer.
                     Some(PendingPayload {
-                        direct: Some((buffer, filled)),
+                        into: PayloadInto::Pooled(buffer, filled),
                         ..
                     }) if self.inbuf.is_empty() => {
                         let need = buffer.len();

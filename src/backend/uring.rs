@@ -226,7 +226,11 @@ impl DepthCap {
     }
 
     /// An entry was handed to the ring with `outstanding` entries in the kernel or held.
+    /// (Rings that never cap keep no account: this runs for every request.)
     fn submitted(&mut self, outstanding: usize) {
+        if !self.enabled {
+            return;
+        }
         self.window_peak = self.window_peak.max(outstanding);
         self.window_submissions += 1;
         if self.window_submissions >= Self::WINDOW {
@@ -238,7 +242,7 @@ impl DepthCap {
 
     /// A reap handed out `completions` while the kernel held `in_kernel` entries.
     fn reaped(&mut self, in_kernel: usize, completions: usize) {
-        if in_kernel < Self::MIN_DEPTH || completions == 0 {
+        if !self.enabled || in_kernel < Self::MIN_DEPTH || completions == 0 {
             return;
         }
         let share = (completions.min(in_kernel) * 1024 / in_kernel) as u32;
@@ -249,7 +253,7 @@ impl DepthCap {
         } else {
             self.batch_share > Self::BATCHY
         };
-        if self.enabled && batchy != self.batchy {
+        if batchy != self.batchy {
             self.batchy = batchy;
             let share = f64::from(self.batch_share) / 1024.0;
             if batchy {

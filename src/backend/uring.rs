@@ -63,8 +63,7 @@ thread_local! {
 }
 
 /// Runs `work` with submissions on this thread held back; when the outermost plug ends,
-/// what it queued goes to the kernel as one batch, by the rule of
-/// [`Ring::submit_now_or_later`] applied to the batch instead of to each entry.
+/// what it queued goes to the kernel as one batch, from this thread.
 ///
 /// The same idea as the kernel's `blk_plug`: a connection's poll loop starts every request
 /// it parsed in one round inside one plug. Without it, the first entry of a burst found the
@@ -72,8 +71,14 @@ thread_local! {
 /// `io_uring_enter` from the reaper: two device kicks and two completion waves per burst.
 /// Measured with fio 4 KiB O_DIRECT random writes at QD32, servers alternated, 3 s runs:
 /// 41–59k IOPS without the plug, 56–65k with it; reads unchanged (56–62k against 60–66k).
-/// (Submitting the batch from the plug itself instead of by the reaper was tried: writes
-/// gained as much, but random reads fell into a lock-step mode at 43–45k in half the runs.)
+///
+/// The batch goes in from the plug's end, not by waking the reaper task to submit it (as
+/// it did until session 21): that wake-up crossed to another worker thread and delayed
+/// every batch by tens of microseconds, and sequential O_DIRECT writes at QD8 ran 15–20%
+/// behind qemu-nbd, which submits from its own thread. Before the depth cap
+/// ([`DepthCap`]), submitting from the plug's end sent random reads at QD32 into a
+/// lock-step mode at 43–45k IOPS in half the runs; with the cap it no longer does. Figures
+/// in ARCHITECTURE.md ("Submitting from the plug's end").
 pub fn plugged<R>(work: impl FnOnce() -> R) -> R {
     struct Unplug;
     impl Drop for Unplug {
@@ -85,7 +90,7 @@ pub fn plugged<R>(work: impl FnOnce() -> R) -> R {
             if depth == 0 {
                 let rings = PLUGGED_RINGS.with(|r| std::mem::take(&mut *r.borrow_mut()));
                 for ring in rings {
-                    ring.submit_now_or_later(&mut ring.lock());
+                    ring.lock().submit_and_reap();
                 }
             }
         }
@@ -737,8 +742,9 @@ impl Ring {
         Ok(())
     }
 
-    /// Hands the queued entries (`submit_scheduled` is set) to the kernel now when they are
-    /// all that is in flight and just one; otherwise asks the reaper to.
+    /// Hands the queued entries (`submit_scheduled` is set) of a push outside any plug to the
+    /// kernel now when they are all that is in flight and just one; otherwise asks the
+    /// reaper to. (A plug's batch goes in from the plug's end: [`plugged`].)
     ///
     /// An entry alone in the ring goes in at once: nothing else is in flight to batch
     /// with, and handing it to the reaper would cost a wake-up of another worker thread
@@ -1180,10 +1186,12 @@ mod tests {
                     "held back while plugged, even the first entry"
                 );
             });
+            // The reaper cannot have run (one thread, no yield): the plug's end itself
+            // handed the three to the kernel, in one call.
             assert_eq!(
                 ring.lock().uring.submission().len(),
-                3,
-                "a batch goes to the kernel whole, by the reaper, not split"
+                0,
+                "a batch goes to the kernel whole when its plug ends"
             );
             for write in writes {
                 assert_eq!(write.await.unwrap(), 4096);

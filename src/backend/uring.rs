@@ -1,10 +1,13 @@
 //! The io_uring engine the file backend submits its reads, writes and syncs through.
 //!
-//! One ring per backend, shared by every connection: a submitter queues its entry, and a
-//! reaper task enters the kernel once for everything queued after every ready task had its
-//! turn. Measured reason: entering per request kicked the virtio disk once per request
-//! (15% of the server's CPU was that MMIO write) and 16 connections of QD1 O_DIRECT
-//! writes reached 26k/s against qemu-nbd's 76k/s, which submits in batches.
+//! One ring per backend, shared by every connection. Entries are submitted in batches, not
+//! one by one: a connection queues what one poll round starts and enters the kernel once
+//! when the round ends ([`plugged`]); an entry queued outside a round goes in at once when
+//! it is alone in the ring, else a reaper task enters the kernel once for everything queued
+//! after every ready task had its turn. Measured reason: entering per request kicked the
+//! virtio disk once per request (15% of the server's CPU was that MMIO write) and 16
+//! connections of QD1 O_DIRECT writes reached 26k/s against qemu-nbd's 76k/s, which
+//! submits in batches.
 //! Completions that arrive later signal an eventfd registered with the ring; a reaper task
 //! on the tokio reactor drains them and hands each result to its waiter through a oneshot
 //! channel. (Not `IORING_REGISTER_EVENTFD_ASYNC`: it stays silent for completions the

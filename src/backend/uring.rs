@@ -79,7 +79,7 @@ thread_local! {
 /// it did until session 21): that wake-up crossed to another worker thread and delayed
 /// every batch by tens of microseconds, and sequential O_DIRECT writes at QD8 ran 15–20%
 /// behind qemu-nbd, which submits from its own thread. Before the depth cap
-/// ([`DepthCap`]), submitting from the plug's end sent random reads at QD32 into a
+/// (`DepthCap`), submitting from the plug's end sent random reads at QD32 into a
 /// lock-step mode at 43–45k IOPS in half the runs; with the cap it no longer does. Figures
 /// in ARCHITECTURE.md ("Submitting from the plug's end").
 pub fn plugged<R>(work: impl FnOnce() -> R) -> R {

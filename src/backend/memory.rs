@@ -50,7 +50,13 @@ impl AsRef<[u8]> for PageRef {
 
 /// A new page of zeroes.
 fn zero_page() -> Page {
-    Arc::new(Box::from(&ZERO_PAGE[..]))
+    Arc::new(zeroed_buffer())
+}
+
+/// A page-sized buffer of zeroes, from the allocator's zeroed memory rather than copied from
+/// [`ZERO_PAGE`] (which would read 64 KiB to write 64 KiB).
+fn zeroed_buffer() -> Box<[u8]> {
+    vec![0u8; PAGE_SIZE as usize].into_boxed_slice()
 }
 
 /// The page's bytes to write into: in place when no read holds it, else a copy that
@@ -220,7 +226,7 @@ impl PageStore for MemoryBackend {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .pop();
-        spare.unwrap_or_else(|| Box::from(&ZERO_PAGE[..]))
+        spare.unwrap_or_else(zeroed_buffer)
     }
 
     fn adopt_page(&self, offset: u64, page: Box<[u8]>) {

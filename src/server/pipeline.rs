@@ -2085,6 +2085,58 @@ mod tests {
         assert_landed(&backend, expected).await;
     }
 
+    /// Writes whose header arrives with only part of the payload, the rest a little later,
+    /// land whole and leave the connection in step, whichever way the payload is gathered:
+    /// in the read buffer (small), in a pooled buffer (large), in the export's pages
+    /// (large and page-aligned) or in pieces (over a megabyte), with the part that came
+    /// first larger or smaller than what remains.
+    #[tokio::test]
+    async fn writes_whose_payload_arrives_in_two_parts_land_whole() {
+        let backend = Arc::new(CountingReads::new(None));
+        let mut client = connect_to(Arc::clone(&backend) as Arc<dyn Backend>).await;
+        let cases: [(u64, usize, usize); 6] = [
+            (512, 20_000, 5_000),
+            (512 + (2 << 20), MIN_POOLED + 100, 40 * 1024),
+            (4 << 20, 4 * MIN_POOLED, 40 * 1024),
+            (8 << 20, 4 * MIN_POOLED, 3 * MIN_POOLED),
+            (512 + (12 << 20), WRITE_PIECE as usize + 4097, 100 * 1024),
+            (16 << 20, 2 * WRITE_PIECE as usize, WRITE_PIECE as usize + 1),
+        ];
+        let patience = std::time::Duration::from_secs(10);
+        let mut expected = Vec::new();
+        for (i, &(offset, len, first)) in cases.iter().enumerate() {
+            let cookie = 40 + i as u64;
+            let data: Vec<u8> = (0..len).map(|j| ((j * 11 + i * 3) % 241) as u8).collect();
+            let mut head = request(cmd::WRITE, 0, cookie, offset, len as u64);
+            head.extend(&data[..first]);
+            client.write_all(&head).await.unwrap();
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            client.write_all(&data[first..]).await.unwrap();
+            let (flags, kind, got, _) = tokio::time::timeout(patience, read_chunk(&mut client))
+                .await
+                .unwrap_or_else(|_| panic!("no reply to the write of {len} bytes"));
+            assert_eq!((got, kind), (cookie, reply::TYPE_NONE), "{len} bytes");
+            assert!(flags & reply::FLAG_DONE != 0);
+            // In step: the next request is parsed as one, and reads back the write's end.
+            let tail = 4096.min(len);
+            let at = offset + (len - tail) as u64;
+            client
+                .write_all(&request(cmd::READ, 0, cookie + 100, at, tail as u64))
+                .await
+                .unwrap();
+            let (_, kind, got, payload) = tokio::time::timeout(patience, read_chunk(&mut client))
+                .await
+                .unwrap_or_else(|_| panic!("no reply to the read after {len} bytes"));
+            assert_eq!((got, kind), (cookie + 100, reply::TYPE_OFFSET_DATA));
+            assert!(
+                payload[8..] == data[len - tail..],
+                "{len} bytes: wrong tail"
+            );
+            expected.push((offset, data));
+        }
+        assert_landed(&backend, expected).await;
+    }
+
     /// Serves `backend` over a real socket pair (not an in-memory pipe, so socket reads end
     /// where the kernel's buffers do) and negotiates structured replies.
     async fn over_a_socket(backend: &Arc<CountingReads>) -> tokio::net::UnixStream {

@@ -7,9 +7,9 @@
 //!   ([`server::validate`]) and the per-connection pipeline ([`server::pipeline`]);
 //!   [`server::serve`] is the entry point.
 //! - [`backend`]: the [`backend::Backend`] trait every export goes through, with the
-//!   sparse [`backend::memory`] and the [`backend::file`] (file or block device) engines,
-//!   the io_uring driver ([`backend::uring`]) and zero-copy page-cache reads
-//!   ([`backend::splice`]).
+//!   sparse [`backend::memory`] (its pages from the huge-page pool, [`backend::page_pool`])
+//!   and the [`backend::file`] (file or block device) engines, the io_uring driver
+//!   ([`backend::uring`]) and zero-copy page-cache reads ([`backend::splice`]).
 //! - [`config`]: the TOML file for several exports; [`listen`]: listen addresses;
 //!   [`tcp`]: the socket settings every TCP connection gets.
 //! - [`replication`]: replication of an export across nodes (a backend layer), its
@@ -19,8 +19,9 @@
 //!
 //! The `netblk` binary (`src/main.rs`) is only the command line around [`server::serve`].
 
-// `unsafe` is allowed in two places only: `backend::uring`, where the kernel borrows
-// buffers, and `backend::splice`, for the one system call (`cachestat`) with no safe binding.
+// `unsafe` is allowed in three places only: `backend::uring`, where the kernel borrows
+// buffers; `backend::splice`, for the one system call (`cachestat`) with no safe binding;
+// and `backend::page_pool`, which maps memory for huge pages and hands out slices of it.
 #![deny(unsafe_code)]
 
 pub mod backend;

@@ -10,6 +10,9 @@
 //! Whole-page writes are not copied either: a connection receives a page-aligned payload
 //! into spare pages and hands them over ([`PageStore`]); pages that writes replace and no
 //! read holds become the spares.
+//!
+//! Pages come from [`super::page_pool`], which backs them with huge pages: random reads
+//! then do not pay a page walk each (ARCHITECTURE.md, "Data path").
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,6 +20,7 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use bytes::Bytes;
 
+use super::page_pool::PageBuf;
 use super::{Backend, BackendFuture, Capabilities, Extent, PageStore, ReadData, ZeroFlags};
 
 /// Bytes per page: the allocation and hole granularity.
@@ -34,7 +38,7 @@ const MAX_SPARE_PAGES: usize = 512;
 /// thirds of the page lookup (a cache miss on a line the read does not otherwise touch);
 /// with the count apart, the lookup's share of the server's CPU fell from 8.3–8.9% to
 /// 6.7–7.4% (perf, memory export, QD32, two profiles each).
-type Page = Arc<Box<[u8]>>;
+type Page = Arc<PageBuf>;
 
 /// What unwritten memory reads as.
 static ZERO_PAGE: [u8; PAGE_SIZE as usize] = [0; PAGE_SIZE as usize];
@@ -44,26 +48,23 @@ struct PageRef(Page);
 
 impl AsRef<[u8]> for PageRef {
     fn as_ref(&self) -> &[u8] {
-        &self.0
+        &self.0[..]
     }
 }
 
-/// A new page of zeroes.
+/// A new page of zeroes, from the huge-page pool ([`super::page_pool`]).
 fn zero_page() -> Page {
-    Arc::new(zeroed_buffer())
+    Arc::new(PageBuf::zeroed())
 }
 
-/// A page-sized buffer of zeroes, from the allocator's zeroed memory rather than copied from
-/// [`ZERO_PAGE`] (which would read 64 KiB to write 64 KiB).
-fn zeroed_buffer() -> Box<[u8]> {
-    vec![0u8; PAGE_SIZE as usize].into_boxed_slice()
-}
+// The pool's buffers are this export's pages.
+const _: () = assert!(super::page_pool::PAGE_BYTES as u64 == PAGE_SIZE);
 
 /// The page's bytes to write into: in place when no read holds it, else a copy that
 /// replaces it in the table (the reads keep the old one).
 fn writable(page: &mut Page) -> &mut [u8] {
     if Arc::get_mut(page).is_none() {
-        *page = Arc::new(Box::from(&page[..]));
+        *page = Arc::new(PageBuf::copy_of(&page[..]));
     }
     Arc::get_mut(page).expect("a page just copied has no other holder")
 }
@@ -74,7 +75,7 @@ pub struct MemoryBackend {
     read_only: bool,
     shards: Vec<RwLock<HashMap<u64, Page>>>,
     /// Pages that writes replaced and no read held, reused as receive buffers.
-    spare_pages: Mutex<Vec<Box<[u8]>>>,
+    spare_pages: Mutex<Vec<PageBuf>>,
     /// Pages taken over from connections ([`PageStore::adopt_page`]).
     pages_adopted: AtomicU64,
 }
@@ -183,8 +184,13 @@ impl MemoryBackend {
         Self::for_each_piece(offset, length, |page, in_page, _, len| {
             let mut shard = self.shard(page).write().unwrap_or_else(|e| e.into_inner());
             if punch && len as u64 == PAGE_SIZE {
-                // Released, not kept as a spare: a trim gives the memory back.
-                shard.remove(&page);
+                // Released, not kept as a spare: a trim gives the memory back (a page a
+                // read still holds goes back to the pool when the read drops it).
+                if let Some(released) = shard.remove(&page) {
+                    if let Ok(buffer) = Arc::try_unwrap(released) {
+                        buffer.give_back();
+                    }
+                }
             } else if let Some(bytes) = shard.get_mut(&page) {
                 writable(bytes)[in_page..in_page + len].fill(0);
             } else if !punch {
@@ -220,16 +226,16 @@ impl PageStore for MemoryBackend {
         PAGE_SIZE as usize
     }
 
-    fn spare_page(&self) -> Box<[u8]> {
+    fn spare_page(&self) -> PageBuf {
         let spare = self
             .spare_pages
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .pop();
-        spare.unwrap_or_else(zeroed_buffer)
+        spare.unwrap_or_else(PageBuf::any)
     }
 
-    fn adopt_page(&self, offset: u64, page: Box<[u8]>) {
+    fn adopt_page(&self, offset: u64, page: PageBuf) {
         assert!(
             offset % PAGE_SIZE == 0 && page.len() == PAGE_SIZE as usize,
             "a page handed over must be one whole, aligned page"

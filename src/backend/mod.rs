@@ -8,6 +8,7 @@
 
 pub mod file;
 pub mod memory;
+pub mod page_pool;
 pub mod powercut;
 pub mod range_lock;
 pub mod splice;
@@ -22,6 +23,7 @@ use bytes::Bytes;
 
 use crate::size::parse_size;
 use crate::wire::{transmission_flags as tf, NbdError};
+use page_pool::PageBuf;
 
 /// A boxed future returned by backend operations.
 pub type BackendFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, BackendError>> + Send + 'a>>;
@@ -353,11 +355,11 @@ pub trait PageStore: Send + Sync {
     /// A buffer of [`PageStore::page_size`] bytes to receive a page of payload into. Its
     /// contents are unspecified (a replaced page's old data), so the receiver must fill
     /// every byte before handing it over.
-    fn spare_page(&self) -> Box<[u8]>;
+    fn spare_page(&self) -> PageBuf;
     /// Puts `page`, filled with the data for `offset` (a multiple of the page size inside
     /// the export), in place of what was stored there. Reads that hold the old page keep
     /// it; the write is visible to every read that starts after this returns.
-    fn adopt_page(&self, offset: u64, page: Box<[u8]>);
+    fn adopt_page(&self, offset: u64, page: PageBuf);
 }
 
 /// How a file or block device export uses the kernel's page cache.

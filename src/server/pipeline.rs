@@ -233,7 +233,7 @@ struct PagedPayload {
     /// Where `page` goes.
     offset: u64,
     /// The page being filled; `None` once the whole payload is in place.
-    page: Option<Box<[u8]>>,
+    page: Option<crate::backend::page_pool::PageBuf>,
     /// Bytes of `page` received.
     filled: usize,
     /// Payload bytes after `page`.

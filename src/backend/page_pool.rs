@@ -1,5 +1,5 @@
-//! Page buffers for the memory export, carved from 2 MiB regions that the kernel is asked to
-//! back with transparent huge pages (`MADV_HUGEPAGE`).
+//! Page buffers for the memory export, carved from regions aligned to 2 MiB that the kernel
+//! is asked to back with transparent huge pages (`MADV_HUGEPAGE`).
 //!
 //! Measured reason: a memory export's random 4 KiB reads each touch a random page, which
 //! with small pages means an address translation the CPU has most likely not cached (on a
@@ -23,8 +23,13 @@ use std::sync::Mutex;
 
 /// Bytes per page buffer.
 pub const PAGE_BYTES: usize = 64 * 1024;
-/// Bytes per region the pool maps at once, and their alignment: one huge page.
-const REGION_BYTES: usize = 2 * 1024 * 1024;
+/// Alignment of the regions the pool maps: one huge page.
+const HUGE_PAGE_BYTES: usize = 2 * 1024 * 1024;
+/// Bytes per region the pool maps at once. Each region is a mapping of its own, and the
+/// kernel limits how many a process has (`vm.max_map_count`, 65,530 by default): at 64 MiB
+/// a region that allows about 4 TiB of pages, at 2 MiB only 128 GiB. Untouched parts of a
+/// region cost address space, not memory.
+const REGION_BYTES: usize = 32 * HUGE_PAGE_BYTES;
 
 /// A [`PAGE_BYTES`] buffer from the pool, owned like a `Box<[u8]>`; back to the pool on drop.
 pub struct PageBuf {
@@ -142,11 +147,12 @@ fn lock() -> std::sync::MutexGuard<'static, Pool> {
     POOL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Maps a new region of [`REGION_BYTES`], aligned to its size, and asks for huge pages
+/// Maps a new region of [`REGION_BYTES`], aligned to a huge page, and asks for huge pages
 /// there; returns its address range. Aborts like the global allocator when memory is out.
 fn map_region() -> std::ops::Range<usize> {
-    // Twice the size, so that an aligned region fits whatever address comes back.
-    let mapped = 2 * REGION_BYTES;
+    // A huge page more than the region, so that an aligned region fits whatever address
+    // comes back.
+    let mapped = REGION_BYTES + HUGE_PAGE_BYTES;
     // SAFETY: a new private anonymous mapping at an address of the kernel's choosing
     // touches no existing memory.
     let raw = unsafe {
@@ -160,12 +166,12 @@ fn map_region() -> std::ops::Range<usize> {
         )
     };
     if raw == libc::MAP_FAILED {
-        let layout = std::alloc::Layout::from_size_align(REGION_BYTES, REGION_BYTES)
+        let layout = std::alloc::Layout::from_size_align(REGION_BYTES, HUGE_PAGE_BYTES)
             .expect("a valid layout");
         std::alloc::handle_alloc_error(layout);
     }
     let raw = raw as usize;
-    let start = (raw + REGION_BYTES - 1) & !(REGION_BYTES - 1);
+    let start = (raw + HUGE_PAGE_BYTES - 1) & !(HUGE_PAGE_BYTES - 1);
     // SAFETY: both ranges lie inside the mapping just made and outside the region kept;
     // nothing refers to them.
     unsafe {
@@ -257,7 +263,7 @@ mod tests {
     #[test]
     fn regions_are_aligned_to_a_huge_page() {
         let region = map_region();
-        assert_eq!(region.start % REGION_BYTES, 0);
+        assert_eq!(region.start % HUGE_PAGE_BYTES, 0);
         assert_eq!(region.len(), REGION_BYTES);
         // Give it to the pool, so that the test leaks nothing the pool cannot reuse.
         let mut pool = lock();

@@ -595,7 +595,7 @@ impl Backend for FileBackend {
             }
         }
         Box::pin(async move {
-            let dense = vec![(length, false)];
+            let dense: super::Runs = smallvec::smallvec![(length, false)];
             // Holes read as zeroes anyway; knowing where they are lets the reply skip them.
             let runs = if length >= HOLE_QUERY_MIN && !self.block_device {
                 match allocation_runs(&self.file, offset, length as u64) {

@@ -150,11 +150,11 @@ impl MemoryBackend {
             let (data, hole) = self.page_bytes(offset / PAGE_SIZE, in_page, length);
             return ReadData {
                 data: data.into(),
-                runs: vec![(length, hole)],
+                runs: smallvec::smallvec![(length, hole)],
             };
         }
         let mut pieces = Vec::with_capacity(length.div_ceil(PAGE_SIZE as usize) + 1);
-        let mut runs: Vec<(usize, bool)> = Vec::new();
+        let mut runs = super::Runs::new();
         Self::for_each_piece(offset, length as u64, |page, in_page, _, len| {
             let (bytes, hole) = self.page_bytes(page, in_page, len);
             pieces.push(bytes);
@@ -276,6 +276,14 @@ impl Backend for MemoryBackend {
         Box::pin(async move { Ok(self.read_now(offset, length)) })
     }
 
+    fn read_at_once(
+        &self,
+        offset: u64,
+        length: usize,
+    ) -> Option<Result<ReadData, super::BackendError>> {
+        Some(Ok(self.read_now(offset, length)))
+    }
+
     fn write(&self, offset: u64, data: Bytes, _fua: bool) -> BackendFuture<'_, ()> {
         Box::pin(async move {
             self.write_now(offset, &data);
@@ -350,7 +358,7 @@ mod tests {
         let m = MemoryBackend::new(1 << 20, false);
         let r = block_on(m.read(1000, 5000)).unwrap();
         assert!(r.bytes().iter().all(|&b| b == 0));
-        assert_eq!(r.runs, vec![(5000, true)]);
+        assert_eq!(r.runs[..], [(5000, true)]);
     }
 
     #[test]
@@ -445,8 +453,8 @@ mod tests {
         assert!(page(2).iter().all(|&b| b == 0));
         assert!(page(3).iter().all(|&b| b == 12));
         assert_eq!(
-            now.runs,
-            vec![
+            now.runs[..],
+            [
                 (2 * PAGE_SIZE as usize, false),
                 (PAGE_SIZE as usize, true),
                 (PAGE_SIZE as usize, false)
@@ -474,7 +482,7 @@ mod tests {
         block_on(m.write_zeroes(0, 3 * PAGE_SIZE, keep)).unwrap();
         let r = block_on(m.read(0, 3 * PAGE_SIZE as usize)).unwrap();
         assert!(r.bytes().iter().all(|&b| b == 0));
-        assert_eq!(r.runs, vec![(3 * PAGE_SIZE as usize, false)], "no holes");
+        assert_eq!(r.runs[..], [(3 * PAGE_SIZE as usize, false)], "no holes");
         let ext = block_on(m.extents(0, 4 * PAGE_SIZE)).unwrap();
         assert_eq!(
             ext[0],

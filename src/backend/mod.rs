@@ -229,14 +229,18 @@ impl Eq for Pieces {}
 pub struct ReadData {
     pub data: Pieces,
     /// Consecutive runs covering `data`: (length, is_hole).
-    pub runs: Vec<(usize, bool)>,
+    pub runs: Runs,
 }
+
+/// Runs of data and holes: (length, is_hole). One run (a read without holes, the common
+/// case) is kept without an allocation.
+pub type Runs = smallvec::SmallVec<[(usize, bool); 1]>;
 
 impl ReadData {
     /// The part `[start, start + length)` of this data, with its runs cut to match.
     pub fn slice(&self, start: usize, length: usize) -> ReadData {
         let end = start + length;
-        let mut runs = Vec::new();
+        let mut runs = Runs::new();
         let mut at = 0usize;
         for &(len, hole) in &self.runs {
             let (from, to) = (at.max(start), (at + len).min(end));
@@ -257,7 +261,7 @@ impl ReadData {
         let len = data.len();
         ReadData {
             data,
-            runs: vec![(len, false)],
+            runs: smallvec::smallvec![(len, false)],
         }
     }
 
@@ -284,6 +288,13 @@ pub trait Backend: Send + Sync + 'static {
     fn capabilities(&self) -> Capabilities;
     /// Reads `length` bytes at `offset` (the range is within the export).
     fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData>;
+    /// Reads `length` bytes at `offset` at once, on the calling thread, when this backend
+    /// can do that without waiting on a device (memory), and returns the result; `None`
+    /// means it cannot, and [`Backend::read`] is the way. Lets a connection answer such a
+    /// read as it parses it, without a future to allocate, queue and poll.
+    fn read_at_once(&self, _offset: u64, _length: usize) -> Option<Result<ReadData, BackendError>> {
+        None
+    }
     /// Writes `data` at `offset`; with `fua` the data is durable when this returns.
     fn write(&self, offset: u64, data: Bytes, fua: bool) -> BackendFuture<'_, ()>;
     /// Writes `data` at `offset` at once, on the calling thread, when this backend can do
@@ -466,13 +477,13 @@ mod tests {
     fn read_data_slices_keep_their_runs() {
         let whole = ReadData {
             data: Bytes::from((0..100u8).collect::<Vec<_>>()).into(),
-            runs: vec![(10, false), (30, true), (60, false)],
+            runs: smallvec::smallvec![(10, false), (30, true), (60, false)],
         };
         let part = whole.slice(5, 40);
         assert_eq!(part.bytes()[0], 5);
         assert_eq!(part.data.len(), 40);
-        assert_eq!(part.runs, vec![(5, false), (30, true), (5, false)]);
-        assert_eq!(whole.slice(12, 5).runs, vec![(5, true)]);
+        assert_eq!(part.runs[..], [(5, false), (30, true), (5, false)]);
+        assert_eq!(whole.slice(12, 5).runs[..], [(5, true)]);
         assert_eq!(whole.slice(0, 100), whole);
     }
 

@@ -297,7 +297,9 @@ struct ReadPart {
 struct MergedRead {
     offset: u64,
     length: u32,
-    parts: Vec<ReadPart>,
+    /// The first read, and those that follow it (a lone read allocates no list).
+    first: ReadPart,
+    more: Vec<ReadPart>,
 }
 
 struct Pipeline {
@@ -397,13 +399,25 @@ impl Pipeline {
         parsed
     }
 
-    /// Starts the reads gathered for merging, as one backend read.
+    /// Starts the reads gathered for merging, as one backend read. A backend that reads at
+    /// once ([`Backend::read_at_once`]) is answered here: the replies are queued without a
+    /// future. A boxed future, a task in `in_flight` and a boxed backend future per read
+    /// were 6% of the server's CPU per 4 KiB memory read at iodepth 32 (3.36 against
+    /// 3.17 µs, three runs each).
     fn start_merged_read(&mut self) {
         let Some(merged) = self.merging.take() else {
             return;
         };
+        if let Some(result) = self
+            .backend
+            .read_at_once(merged.offset, merged.length as usize)
+        {
+            merged_replies(merged, result, &mut self.outq);
+            return;
+        }
         let backend = Arc::clone(&self.backend);
-        if let [part] = &merged.parts[..] {
+        if merged.more.is_empty() {
+            let part = &merged.first;
             let (enc, offset, length, df) = (part.enc, part.offset, part.length, part.df);
             self.in_flight.push(Box::pin(async move {
                 read_whole(&*backend, enc, offset, length, df).await
@@ -412,20 +426,8 @@ impl Pipeline {
         }
         self.in_flight.push(Box::pin(async move {
             let result = backend.read(merged.offset, merged.length as usize).await;
-            let mut out = Vec::with_capacity(merged.parts.len());
-            for part in merged.parts {
-                let start = (part.offset - merged.offset) as usize;
-                let slice = result
-                    .as_ref()
-                    .map(|read| read.slice(start, part.length as usize));
-                out.extend(read_reply(
-                    part.enc,
-                    part.offset,
-                    part.length,
-                    part.df,
-                    slice,
-                ));
-            }
+            let mut out = Vec::with_capacity(1 + merged.more.len());
+            merged_replies(merged, result, &mut out);
             out
         }));
     }
@@ -707,7 +709,7 @@ impl Pipeline {
                         let adjacent = merged.offset + u64::from(merged.length) == offset;
                         if adjacent && merged.length.saturating_add(length) <= self.max_merge {
                             merged.length += length;
-                            merged.parts.push(part);
+                            merged.more.push(part);
                             return;
                         }
                     }
@@ -715,7 +717,8 @@ impl Pipeline {
                     self.merging = Some(MergedRead {
                         offset,
                         length,
-                        parts: vec![part],
+                        first: part,
+                        more: Vec::new(),
                     });
                     return;
                 }
@@ -1424,12 +1427,12 @@ fn content_chunks(
     read: ReadData,
     done: bool,
     release: u64,
-    out: &mut Replies,
+    out: &mut impl Extend<Outgoing>,
 ) {
     if read.runs.len() <= 1 && !read.runs.first().is_some_and(|r| r.1) {
         let mut header = Vec::with_capacity(40);
         enc.data_header(&mut header, offset, read.data.len() as u64, done);
-        out.push(Outgoing::new(header, Some(read.data), release));
+        out.extend(Some(Outgoing::new(header, Some(read.data), release)));
         return;
     }
     let mut at = 0usize;
@@ -1441,14 +1444,14 @@ fn content_chunks(
         let release = if i == last { release } else { 0 };
         if hole {
             enc.hole(&mut header, chunk_offset, len as u32, done && i == last);
-            out.push(Outgoing::new(header, None, release));
+            out.extend(Some(Outgoing::new(header, None, release)));
         } else {
             enc.data_header(&mut header, chunk_offset, len as u64, done && i == last);
-            out.push(Outgoing::new(
+            out.extend(Some(Outgoing::new(
                 header,
                 Some(read.data.slice(at, len)),
                 release,
-            ));
+            )));
         }
         at += len;
     }
@@ -1467,34 +1470,62 @@ async fn read_whole(
         enc.ok(&mut header);
         return vec![Outgoing::new(header, None, release)];
     }
+    let mut out = Vec::with_capacity(1);
     match backend.read(offset, length as usize).await {
-        Ok(read) => read_reply(enc, offset, length, df, Ok(read)),
-        Err(e) => read_reply(enc, offset, length, df, Err(&e)),
+        Ok(read) => read_reply(enc, offset, length, df, Ok(read), &mut out),
+        Err(e) => read_reply(enc, offset, length, df, Err(&e), &mut out),
     }
+    out
 }
 
-/// The reply to a read of `length` bytes at `offset`, from what the backend returned.
+/// The reply to a read of `length` bytes at `offset`, from what the backend returned,
+/// added to `out`.
 fn read_reply(
     enc: ReplyEncoder,
     offset: u64,
     length: u32,
     df: bool,
     read: Result<ReadData, &BackendError>,
-) -> Replies {
+    out: &mut impl Extend<Outgoing>,
+) {
     let release = u64::from(length);
     let read = match read {
         Ok(read) => read,
-        Err(e) => return error_reply(enc, e, release),
+        Err(e) => return out.extend(error_reply(enc, e, release)),
     };
-    let mut out = Vec::with_capacity(read.runs.len());
     if enc.style == ReplyStyle::Simple || df {
         let mut header = Vec::with_capacity(40);
         enc.data_header(&mut header, offset, u64::from(length), true);
-        out.push(Outgoing::new(header, Some(read.data), release));
+        out.extend(Some(Outgoing::new(header, Some(read.data), release)));
     } else {
-        content_chunks(enc, offset, read, true, release, &mut out);
+        content_chunks(enc, offset, read, true, release, out);
     }
-    out
+}
+
+/// The replies to the reads merged into one backend read, from what that read returned,
+/// added to `out`.
+fn merged_replies(
+    merged: MergedRead,
+    result: Result<ReadData, BackendError>,
+    out: &mut impl Extend<Outgoing>,
+) {
+    let first = merged.first;
+    if merged.more.is_empty() {
+        // The whole read is this one request's: its data as it came.
+        let (enc, offset, length, df) = (first.enc, first.offset, first.length, first.df);
+        match result {
+            Ok(read) => read_reply(enc, offset, length, df, Ok(read), out),
+            Err(e) => read_reply(enc, offset, length, df, Err(&e), out),
+        }
+        return;
+    }
+    for part in std::iter::once(first).chain(merged.more) {
+        let start = (part.offset - merged.offset) as usize;
+        let slice = result
+            .as_ref()
+            .map(|read| read.slice(start, part.length as usize));
+        read_reply(part.enc, part.offset, part.length, part.df, slice, out);
+    }
 }
 
 /// Shared state of a read split into pieces: the piece that finishes last ends the reply.
@@ -1842,9 +1873,11 @@ mod tests {
 
     /// An export (memory unless said otherwise) that counts the reads, spliced reads,
     /// writes and inline writes it is asked for, and fails a write that starts at
-    /// `fail_write_at`.
+    /// `fail_write_at`. Reads at once ([`Backend::read_at_once`]) are passed on only
+    /// when `at_once` is set, and counted among the reads.
     struct CountingReads<B = MemoryBackend> {
         inner: B,
+        at_once: bool,
         reads: std::sync::atomic::AtomicUsize,
         spliced: std::sync::atomic::AtomicUsize,
         writes: std::sync::atomic::AtomicUsize,
@@ -1862,6 +1895,7 @@ mod tests {
         fn over(inner: B, fail_write_at: Option<u64>) -> CountingReads<B> {
             CountingReads {
                 inner,
+                at_once: false,
                 reads: Default::default(),
                 spliced: Default::default(),
                 writes: Default::default(),
@@ -1888,6 +1922,18 @@ mod tests {
         fn read(&self, offset: u64, length: usize) -> crate::backend::BackendFuture<'_, ReadData> {
             self.reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             self.inner.read(offset, length)
+        }
+        fn read_at_once(
+            &self,
+            offset: u64,
+            length: usize,
+        ) -> Option<Result<ReadData, BackendError>> {
+            let read = self
+                .inner
+                .read_at_once(offset, length)
+                .filter(|_| self.at_once)?;
+            self.reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Some(read)
         }
         fn read_to_pipe(&self, offset: u64, length: usize) -> Option<Spliced> {
             let spliced = self.inner.read_to_pipe(offset, length)?;
@@ -1957,7 +2003,16 @@ mod tests {
 
     #[tokio::test]
     async fn adjacent_reads_sent_together_are_served_by_one_backend_read() {
-        let backend = Arc::new(CountingReads::new(None));
+        // Through futures, and answered as parsed (a memory export reads at once).
+        for at_once in [false, true] {
+            adjacent_reads_merge(at_once).await;
+        }
+    }
+
+    async fn adjacent_reads_merge(at_once: bool) {
+        let mut backend = CountingReads::new(None);
+        backend.at_once = at_once;
+        let backend = Arc::new(backend);
         let mut client = connect_to(Arc::clone(&backend) as Arc<dyn Backend>).await;
         // 64 KiB of pattern, then a 64 KiB hole (a page never written).
         let pattern: Vec<u8> = (0..65536).map(|i| (i * 13 % 251) as u8).collect();
@@ -1997,7 +2052,7 @@ mod tests {
         let reads = backend.reads.load(std::sync::atomic::Ordering::SeqCst) - before;
         assert!(
             reads < 32,
-            "32 adjacent reads took {reads} backend reads: nothing merged"
+            "32 adjacent reads took {reads} backend reads: nothing merged (at once: {at_once})"
         );
     }
 

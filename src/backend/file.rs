@@ -621,6 +621,16 @@ impl Backend for FileBackend {
         })
     }
 
+    fn read_at_once(&self, offset: u64, length: usize) -> Option<Result<ReadData, BackendError>> {
+        // What `read` tries first; when the page cache cannot serve it now, `read` tries
+        // again (one more `preadv2` that fails at once) before it goes to the ring.
+        if self.cache != CacheMode::Writeback || length >= NOWAIT_READ_MAX {
+            return None;
+        }
+        read_without_blocking(&self.file, offset, length)
+            .map(|buffer| Ok(ReadData::dense(buffer.into_bytes())))
+    }
+
     fn read_to_pipe(&self, offset: u64, length: usize) -> Option<super::splice::Spliced> {
         // Only cached data can be spliced without blocking, and direct I/O bypasses the
         // cache. Cached holes read as zeroes and go out as data, which is correct; an
@@ -922,6 +932,14 @@ mod tests {
                 assert!(r.bytes()[4096..8192].iter().all(|&x| x == 0), "{mode}");
                 assert!(r.bytes()[8192..1 << 20].iter().all(|&x| x == 9), "{mode}");
                 assert!(r.bytes()[1 << 20..].iter().all(|&x| x == 0), "{mode}");
+                // Only the page cache is read at once; direct I/O always goes to the ring.
+                match b.read_at_once(8192, 4096) {
+                    Some(read) => {
+                        assert_eq!(mode, CacheMode::Writeback);
+                        assert!(read.unwrap().bytes().iter().all(|&x| x == 9));
+                    }
+                    None => assert_eq!(mode, CacheMode::None),
+                }
                 let extents = b.extents(0, 4 << 20).await.unwrap();
                 assert_eq!(extents.iter().map(|e| e.length).sum::<u64>(), 4 << 20);
                 assert!(extents.last().unwrap().hole);
@@ -997,6 +1015,12 @@ mod tests {
         let fast = read_without_blocking(&b.file, 8192, 4096)
             .expect("a cached page reads without blocking");
         assert_eq!(fast.as_ref(), &[6u8; 4096][..]);
+        let at_once = b.read_at_once(8192, 4096).expect("cached: read at once");
+        assert_eq!(&at_once.unwrap().bytes()[..], &[6u8; 4096][..]);
+        assert!(
+            b.read_at_once(0, NOWAIT_READ_MAX).is_none(),
+            "long reads go through the ring or a pipe"
+        );
         block_on(async {
             b.write(65536, Bytes::from(vec![2u8; 512 * 1024]), false)
                 .await

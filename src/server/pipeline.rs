@@ -111,7 +111,7 @@ const ROUNDS_BEFORE_YIELD: usize = 64;
 /// pipe that the socket takes it from without a copy (`spliced`). When it has been
 /// written, `release` bytes go back to the connection's budget.
 struct Outgoing {
-    header: Vec<u8>,
+    header: ReplyHeader,
     data: Option<Pieces>,
     spliced: Option<Spliced>,
     release: u64,
@@ -119,7 +119,7 @@ struct Outgoing {
 
 impl Outgoing {
     /// A message with its data (if any) in memory.
-    fn new(header: Vec<u8>, data: Option<Pieces>, release: u64) -> Outgoing {
+    fn new(header: ReplyHeader, data: Option<Pieces>, release: u64) -> Outgoing {
         Outgoing {
             header,
             data,
@@ -136,6 +136,10 @@ impl Outgoing {
         }
     }
 }
+
+/// A reply's header bytes: inline up to the 40 bytes of an extended `OFFSET_DATA` chunk
+/// header, so that the reply to a read allocates nothing for it.
+type ReplyHeader = smallvec::SmallVec<[u8; 40]>;
 
 type Replies = Vec<Outgoing>;
 type RequestFuture = Pin<Box<dyn Future<Output = Replies> + Send>>;
@@ -384,7 +388,7 @@ impl Pipeline {
             length = header.length,
             "refused request: {error}"
         );
-        let mut bytes = Vec::with_capacity(64);
+        let mut bytes = ReplyHeader::new();
         self.encoder(header.cookie, header.offset).error(
             &mut bytes,
             error,
@@ -1402,7 +1406,7 @@ fn poll_read_into<S: Stream + ?Sized>(
 }
 
 fn status_reply(enc: ReplyEncoder, result: Result<(), BackendError>, release: u64) -> Replies {
-    let mut header = Vec::with_capacity(64);
+    let mut header = ReplyHeader::new();
     match result {
         Ok(()) => enc.ok(&mut header),
         Err(e) if e.errno == NbdError::NotSup => {
@@ -1418,7 +1422,7 @@ fn status_reply(enc: ReplyEncoder, result: Result<(), BackendError>, release: u6
 
 fn error_reply(enc: ReplyEncoder, e: &BackendError, release: u64) -> Replies {
     warn!("{e}");
-    let mut header = Vec::with_capacity(64);
+    let mut header = ReplyHeader::new();
     enc.error(&mut header, e.errno, &e.to_string());
     vec![Outgoing::new(header, None, release)]
 }
@@ -1433,7 +1437,7 @@ fn content_chunks(
     out: &mut impl Extend<Outgoing>,
 ) {
     if read.runs.len() <= 1 && !read.runs.first().is_some_and(|r| r.1) {
-        let mut header = Vec::with_capacity(40);
+        let mut header = ReplyHeader::new();
         enc.data_header(&mut header, offset, read.data.len() as u64, done);
         out.extend(Some(Outgoing::new(header, Some(read.data), release)));
         return;
@@ -1441,7 +1445,7 @@ fn content_chunks(
     let mut at = 0usize;
     let last = read.runs.len() - 1;
     for (i, &(len, hole)) in read.runs.iter().enumerate() {
-        let mut header = Vec::with_capacity(40);
+        let mut header = ReplyHeader::new();
         let chunk_offset = offset + at as u64;
         // Messages leave in order, so the last one returns the whole buffer's budget.
         let release = if i == last { release } else { 0 };
@@ -1469,7 +1473,7 @@ async fn read_whole(
 ) -> Replies {
     let release = u64::from(length);
     if length == 0 {
-        let mut header = Vec::with_capacity(32);
+        let mut header = ReplyHeader::new();
         enc.ok(&mut header);
         return vec![Outgoing::new(header, None, release)];
     }
@@ -1497,7 +1501,7 @@ fn read_reply(
         Err(e) => return out.extend(error_reply(enc, e, release)),
     };
     if enc.style == ReplyStyle::Simple || df {
-        let mut header = Vec::with_capacity(40);
+        let mut header = ReplyHeader::new();
         enc.data_header(&mut header, offset, u64::from(length), true);
         out.extend(Some(Outgoing::new(header, Some(read.data), release)));
     } else {
@@ -1596,10 +1600,10 @@ async fn read_piece(
     if let Err(e) = result {
         warn!("{e}");
         state.error.get_or_insert((e.errno, e.to_string()));
-        out.push(Outgoing::new(Vec::new(), None, u64::from(length)));
+        out.push(Outgoing::new(ReplyHeader::new(), None, u64::from(length)));
     }
     if last {
-        let mut header = Vec::with_capacity(64);
+        let mut header = ReplyHeader::new();
         match &state.error {
             None => enc.ok(&mut header),
             Some((errno, message)) => enc.error(&mut header, *errno, message),
@@ -1617,7 +1621,7 @@ fn spliced_reply(
     done: bool,
     release: u64,
 ) -> Outgoing {
-    let mut header = Vec::with_capacity(40);
+    let mut header = ReplyHeader::new();
     enc.data_header(&mut header, offset, spliced.len() as u64, done);
     Outgoing {
         header,
@@ -1663,7 +1667,7 @@ async fn block_status(
     if descriptors.is_empty() {
         descriptors.push((span, 0));
     }
-    let mut header = Vec::with_capacity(40 + 16 * descriptors.len());
+    let mut header = ReplyHeader::with_capacity(40 + 16 * descriptors.len());
     enc.block_status(&mut header, BASE_ALLOCATION_ID, &descriptors, true);
     vec![Outgoing::new(header, None, 0)]
 }

@@ -136,8 +136,26 @@ impl RequestHeader {
     }
 }
 
+/// Where encoded replies go: a `Vec`, or the small inline buffer a reply header fits in
+/// (the server's read replies use one, so a reply costs no allocation).
+pub trait ReplySink {
+    fn put(&mut self, bytes: &[u8]);
+}
+
+impl ReplySink for Vec<u8> {
+    fn put(&mut self, bytes: &[u8]) {
+        self.extend_from_slice(bytes);
+    }
+}
+
+impl<const N: usize> ReplySink for smallvec::SmallVec<[u8; N]> {
+    fn put(&mut self, bytes: &[u8]) {
+        self.extend_from_slice(bytes);
+    }
+}
+
 fn chunk_header(
-    out: &mut Vec<u8>,
+    out: &mut impl ReplySink,
     style: ReplyStyle,
     flags: u16,
     kind: u16,
@@ -150,28 +168,28 @@ fn chunk_header(
             unreachable!("chunks are only sent when structured replies were negotiated")
         }
         ReplyStyle::Structured => {
-            out.extend_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
-            out.extend_from_slice(&flags.to_be_bytes());
-            out.extend_from_slice(&kind.to_be_bytes());
-            out.extend_from_slice(&cookie.to_be_bytes());
+            out.put(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
+            out.put(&flags.to_be_bytes());
+            out.put(&kind.to_be_bytes());
+            out.put(&cookie.to_be_bytes());
             let len = u32::try_from(len).expect("structured chunk payload fits in 32 bits");
-            out.extend_from_slice(&len.to_be_bytes());
+            out.put(&len.to_be_bytes());
         }
         ReplyStyle::Extended => {
-            out.extend_from_slice(&EXTENDED_REPLY_MAGIC.to_be_bytes());
-            out.extend_from_slice(&flags.to_be_bytes());
-            out.extend_from_slice(&kind.to_be_bytes());
-            out.extend_from_slice(&cookie.to_be_bytes());
-            out.extend_from_slice(&offset.to_be_bytes());
-            out.extend_from_slice(&len.to_be_bytes());
+            out.put(&EXTENDED_REPLY_MAGIC.to_be_bytes());
+            out.put(&flags.to_be_bytes());
+            out.put(&kind.to_be_bytes());
+            out.put(&cookie.to_be_bytes());
+            out.put(&offset.to_be_bytes());
+            out.put(&len.to_be_bytes());
         }
     }
 }
 
-fn simple_header(out: &mut Vec<u8>, error: u32, cookie: u64) {
-    out.extend_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
-    out.extend_from_slice(&error.to_be_bytes());
-    out.extend_from_slice(&cookie.to_be_bytes());
+fn simple_header(out: &mut impl ReplySink, error: u32, cookie: u64) {
+    out.put(&SIMPLE_REPLY_MAGIC.to_be_bytes());
+    out.put(&error.to_be_bytes());
+    out.put(&cookie.to_be_bytes());
 }
 
 /// Encodes the replies the server sends. `offset` is always the request's offset (the
@@ -185,7 +203,7 @@ pub struct ReplyEncoder {
 
 impl ReplyEncoder {
     /// A success without payload: a simple reply, or a `NONE` chunk marked done.
-    pub fn ok(&self, out: &mut Vec<u8>) {
+    pub fn ok(&self, out: &mut impl ReplySink) {
         match self.style {
             ReplyStyle::Simple => simple_header(out, 0, self.cookie),
             style => chunk_header(
@@ -201,7 +219,7 @@ impl ReplyEncoder {
     }
 
     /// A failure: a simple reply with the error, or an `ERROR` chunk marked done.
-    pub fn error(&self, out: &mut Vec<u8>, error: NbdError, message: &str) {
+    pub fn error(&self, out: &mut impl ReplySink, error: NbdError, message: &str) {
         match self.style {
             ReplyStyle::Simple => simple_header(out, error.code(), self.cookie),
             style => {
@@ -216,9 +234,9 @@ impl ReplyEncoder {
                     self.offset,
                     len,
                 );
-                out.extend_from_slice(&error.code().to_be_bytes());
-                out.extend_from_slice(&(message.len() as u16).to_be_bytes());
-                out.extend_from_slice(message);
+                out.put(&error.code().to_be_bytes());
+                out.put(&(message.len() as u16).to_be_bytes());
+                out.put(message);
             }
         }
     }
@@ -226,7 +244,13 @@ impl ReplyEncoder {
     /// The header in front of read data. For simple replies this is the whole reply header
     /// and `data_len` bytes follow; for chunks it is an `OFFSET_DATA` header and its 8-byte
     /// offset, and `data_len` bytes of data follow.
-    pub fn data_header(&self, out: &mut Vec<u8>, data_offset: u64, data_len: u64, done: bool) {
+    pub fn data_header(
+        &self,
+        out: &mut impl ReplySink,
+        data_offset: u64,
+        data_len: u64,
+        done: bool,
+    ) {
         match self.style {
             ReplyStyle::Simple => simple_header(out, 0, self.cookie),
             style => {
@@ -240,13 +264,13 @@ impl ReplyEncoder {
                     self.offset,
                     8 + data_len,
                 );
-                out.extend_from_slice(&data_offset.to_be_bytes());
+                out.put(&data_offset.to_be_bytes());
             }
         }
     }
 
     /// An `OFFSET_HOLE` chunk: `len` bytes at `hole_offset` read as zeroes.
-    pub fn hole(&self, out: &mut Vec<u8>, hole_offset: u64, len: u32, done: bool) {
+    pub fn hole(&self, out: &mut impl ReplySink, hole_offset: u64, len: u32, done: bool) {
         let flags = if done { reply::FLAG_DONE } else { 0 };
         chunk_header(
             out,
@@ -257,15 +281,15 @@ impl ReplyEncoder {
             self.offset,
             12,
         );
-        out.extend_from_slice(&hole_offset.to_be_bytes());
-        out.extend_from_slice(&len.to_be_bytes());
+        out.put(&hole_offset.to_be_bytes());
+        out.put(&len.to_be_bytes());
     }
 
     /// A block-status chunk for one context: `BLOCK_STATUS` (32-bit) with structured
     /// replies, `BLOCK_STATUS_EXT` (64-bit) with extended headers.
     pub fn block_status(
         &self,
-        out: &mut Vec<u8>,
+        out: &mut impl ReplySink,
         context_id: u32,
         extents: &[(u64, u32)],
         done: bool,
@@ -284,11 +308,11 @@ impl ReplyEncoder {
                     self.offset,
                     len,
                 );
-                out.extend_from_slice(&context_id.to_be_bytes());
+                out.put(&context_id.to_be_bytes());
                 for &(length, status) in extents {
                     let length = u32::try_from(length).expect("caller caps extents at 32 bits");
-                    out.extend_from_slice(&length.to_be_bytes());
-                    out.extend_from_slice(&status.to_be_bytes());
+                    out.put(&length.to_be_bytes());
+                    out.put(&status.to_be_bytes());
                 }
             }
             ReplyStyle::Extended => {
@@ -302,11 +326,11 @@ impl ReplyEncoder {
                     self.offset,
                     len,
                 );
-                out.extend_from_slice(&context_id.to_be_bytes());
-                out.extend_from_slice(&(extents.len() as u32).to_be_bytes());
+                out.put(&context_id.to_be_bytes());
+                out.put(&(extents.len() as u32).to_be_bytes());
                 for &(length, status) in extents {
-                    out.extend_from_slice(&length.to_be_bytes());
-                    out.extend_from_slice(&u64::from(status).to_be_bytes());
+                    out.put(&length.to_be_bytes());
+                    out.put(&u64::from(status).to_be_bytes());
                 }
             }
         }

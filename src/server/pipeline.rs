@@ -472,7 +472,7 @@ impl Pipeline {
                         }
                         let enc = self.encoder(pending.header.cookie, pending.header.offset);
                         let release = pending.header.length;
-                        self.outq.extend(status_reply(enc, Ok(()), release));
+                        self.outq.push_back(status_message(enc, Ok(()), release));
                         continue;
                     }
                     PayloadInto::Pooled(mut buffer, mut filled) => {
@@ -657,7 +657,7 @@ impl Pipeline {
         self.inbuf.advance(len);
         let enc = self.encoder(header.cookie, header.offset);
         self.outq
-            .extend(status_reply(enc, result, u64::from(length)));
+            .push_back(status_message(enc, result, u64::from(length)));
         true
     }
 
@@ -1405,7 +1405,13 @@ fn poll_read_into<S: Stream + ?Sized>(
     Poll::Ready(Ok(window.filled().len()))
 }
 
+/// [`status_message`] as the replies of a request future.
 fn status_reply(enc: ReplyEncoder, result: Result<(), BackendError>, release: u64) -> Replies {
+    vec![status_message(enc, result, release)]
+}
+
+/// The one message that answers a request without data: success or its error.
+fn status_message(enc: ReplyEncoder, result: Result<(), BackendError>, release: u64) -> Outgoing {
     let mut header = ReplyHeader::new();
     match result {
         Ok(()) => enc.ok(&mut header),
@@ -1417,7 +1423,7 @@ fn status_reply(enc: ReplyEncoder, result: Result<(), BackendError>, release: u6
             enc.error(&mut header, e.errno, &e.to_string());
         }
     }
-    vec![Outgoing::new(header, None, release)]
+    Outgoing::new(header, None, release)
 }
 
 fn error_reply(enc: ReplyEncoder, e: &BackendError, release: u64) -> Replies {

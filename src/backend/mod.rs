@@ -289,9 +289,9 @@ pub trait Backend: Send + Sync + 'static {
     /// Reads `length` bytes at `offset` (the range is within the export).
     fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData>;
     /// Reads `length` bytes at `offset` at once, on the calling thread, when this backend
-    /// can do that without waiting on a device (memory), and returns the result; `None`
-    /// means it cannot, and [`Backend::read`] is the way. Lets a connection answer such a
-    /// read as it parses it, without a future to allocate, queue and poll.
+    /// can do that without waiting on a device (memory; a page-cache hit), and returns the
+    /// result; `None` means it cannot, and [`Backend::read`] is the way. Lets a connection
+    /// answer such a read as it parses it, without a future to allocate, queue and poll.
     fn read_at_once(&self, _offset: u64, _length: usize) -> Option<Result<ReadData, BackendError>> {
         None
     }

@@ -180,6 +180,10 @@ impl Pieces {
     /// The bytes `[start, start + length)`, sharing the buffers.
     pub fn slice(&self, start: usize, length: usize) -> Pieces {
         let end = start + length;
+        if let Pieces::One(one) = self {
+            // A merged read's parts, one per request: no list to build for each.
+            return Pieces::One(one.slice(start..end));
+        }
         let mut out = Vec::new();
         let mut at = 0usize;
         for piece in self.as_slice() {
@@ -504,6 +508,13 @@ mod tests {
         }
         assert_eq!(split.slice(99, 3).as_slice().len(), 3, "shares the buffers");
         assert_eq!(split.slice(10, 5).as_slice().len(), 1);
+        let one = Pieces::from(Bytes::from(all.clone()));
+        for (start, len) in [(0, 256), (10, 20), (255, 1), (256, 0)] {
+            assert_eq!(
+                &one.slice(start, len).to_bytes()[..],
+                &all[start..start + len]
+            );
+        }
     }
 
     #[test]

@@ -440,6 +440,11 @@ mod tests {
             let enc = ReplyEncoder { style, cookie, offset };
             let mut out = Vec::new();
             enc.data_header(&mut out, data_offset, len, done);
+            // The server's inline header buffer gets the same bytes, and they fit inline.
+            let mut inline = smallvec::SmallVec::<[u8; 40]>::new();
+            enc.data_header(&mut inline, data_offset, len, done);
+            prop_assert_eq!(&inline[..], &out[..]);
+            prop_assert!(!inline.spilled());
             let (decoded, used) = DecodedReply::decode(&out).unwrap().unwrap();
             prop_assert_eq!(used + 8, out.len());
             prop_assert_eq!(decoded, DecodedReply::Chunk {
@@ -458,6 +463,9 @@ mod tests {
             let enc = ReplyEncoder { style, cookie, offset: 7 };
             let mut out = Vec::new();
             enc.error(&mut out, NbdError::NoSpc, &message);
+            let mut inline = smallvec::SmallVec::<[u8; 40]>::new();
+            enc.error(&mut inline, NbdError::NoSpc, &message);
+            prop_assert_eq!(&inline[..], &out[..], "a long message spills, whole");
             let (decoded, used) = DecodedReply::decode(&out).unwrap().unwrap();
             match decoded {
                 DecodedReply::Simple { error, cookie: c } => {

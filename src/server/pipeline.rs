@@ -423,14 +423,6 @@ impl Pipeline {
             return;
         }
         let backend = Arc::clone(&self.backend);
-        if merged.more.is_empty() {
-            let part = &merged.first;
-            let (enc, offset, length, df) = (part.enc, part.offset, part.length, part.df);
-            self.in_flight.push(Box::pin(async move {
-                read_whole(&*backend, enc, offset, length, df).await
-            }));
-            return;
-        }
         self.in_flight.push(Box::pin(async move {
             let result = backend.read(merged.offset, merged.length as usize).await;
             let mut out = Vec::with_capacity(1 + merged.more.len());
@@ -693,10 +685,9 @@ impl Pipeline {
                     } else {
                         1
                     };
-                if pieces == 1 && length == 0 {
-                    self.in_flight.push(Box::pin(async move {
-                        read_whole(&*backend, enc, offset, length, df).await
-                    }));
+                if length == 0 {
+                    // Nothing to read: answered as parsed.
+                    self.outq.push_back(status_message(enc, Ok(()), 0));
                     return;
                 }
                 if pieces == 1 {
@@ -1468,27 +1459,6 @@ fn content_chunks(
         }
         at += len;
     }
-}
-
-async fn read_whole(
-    backend: &dyn Backend,
-    enc: ReplyEncoder,
-    offset: u64,
-    length: u32,
-    df: bool,
-) -> Replies {
-    let release = u64::from(length);
-    if length == 0 {
-        let mut header = ReplyHeader::new();
-        enc.ok(&mut header);
-        return vec![Outgoing::new(header, None, release)];
-    }
-    let mut out = Vec::with_capacity(1);
-    match backend.read(offset, length as usize).await {
-        Ok(read) => read_reply(enc, offset, length, df, Ok(read), &mut out),
-        Err(e) => read_reply(enc, offset, length, df, Err(&e), &mut out),
-    }
-    out
 }
 
 /// The reply to a read of `length` bytes at `offset`, from what the backend returned,

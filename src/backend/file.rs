@@ -63,6 +63,9 @@ pub struct FileBackend {
     locks: RangeLocks,
     dirty: Arc<DirtyTracker>,
     behind: Arc<WriteBehind>,
+    /// Non-blocking page-cache reads tried, for tests that count them.
+    #[cfg(test)]
+    nowait_tries: AtomicU64,
 }
 
 /// Write-behind for writeback mode: after every [`WRITE_BEHIND`] bytes written into the page
@@ -259,6 +262,8 @@ impl FileBackend {
             locks: RangeLocks::default(),
             dirty: Arc::new(DirtyTracker::default()),
             behind: Arc::new(WriteBehind::new()),
+            #[cfg(test)]
+            nowait_tries: AtomicU64::new(0),
         })
     }
 
@@ -589,11 +594,24 @@ impl Backend for FileBackend {
     }
 
     fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
-        if self.cache == CacheMode::Writeback && length < NOWAIT_READ_MAX {
-            if let Some(buffer) = read_without_blocking(&self.file, offset, length) {
-                return Box::pin(std::future::ready(Ok(ReadData::dense(buffer.into_bytes()))));
-            }
+        match self.read_at_once(offset, length) {
+            Some(done) => Box::pin(std::future::ready(done)),
+            None => self.read_declined(offset, length),
         }
+    }
+
+    fn read_at_once(&self, offset: u64, length: usize) -> Option<Result<ReadData, BackendError>> {
+        if self.cache != CacheMode::Writeback || length >= NOWAIT_READ_MAX {
+            return None;
+        }
+        #[cfg(test)]
+        self.nowait_tries
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        read_without_blocking(&self.file, offset, length)
+            .map(|buffer| Ok(ReadData::dense(buffer.into_bytes())))
+    }
+
+    fn read_declined(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
         Box::pin(async move {
             let dense: super::Runs = smallvec::smallvec![(length, false)];
             // Holes read as zeroes anyway; knowing where they are lets the reply skip them.
@@ -619,16 +637,6 @@ impl Backend for FileBackend {
                 runs,
             })
         })
-    }
-
-    fn read_at_once(&self, offset: u64, length: usize) -> Option<Result<ReadData, BackendError>> {
-        // What `read` tries first; when the page cache cannot serve it now, `read` tries
-        // again (one more `preadv2` that fails at once) before it goes to the ring.
-        if self.cache != CacheMode::Writeback || length >= NOWAIT_READ_MAX {
-            return None;
-        }
-        read_without_blocking(&self.file, offset, length)
-            .map(|buffer| Ok(ReadData::dense(buffer.into_bytes())))
     }
 
     fn read_to_pipe(&self, offset: u64, length: usize) -> Option<super::splice::Spliced> {
@@ -1034,6 +1042,31 @@ mod tests {
                 .iter()
                 .all(|&x| x == 2));
             assert!(big.bytes()[8192..12288].iter().all(|&x| x == 6));
+        });
+    }
+
+    #[test]
+    fn a_declined_read_does_not_try_the_page_cache_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("disk.img");
+        let b = FileBackend::open(&path, Some(1 << 20), false, None).unwrap();
+        b.file.write_all_at(&[4u8; 4096], 0).unwrap();
+        let tries = || b.nowait_tries.load(std::sync::atomic::Ordering::Relaxed);
+        block_on(async {
+            // `read` tries the page cache once, then (on a miss) the ring.
+            assert_eq!(
+                &b.read(0, 4096).await.unwrap().bytes()[..],
+                &[4u8; 4096][..]
+            );
+            assert_eq!(tries(), 1);
+            // After `read_at_once` declined, the ring at once, with the same data.
+            assert_eq!(
+                &b.read_declined(0, 4096).await.unwrap().bytes()[..],
+                &[4u8; 4096][..]
+            );
+            assert_eq!(tries(), 1, "a declined read tried the page cache again");
+            assert_eq!(b.read_at_once(512, 512).map(|r| r.is_ok()), Some(true));
+            assert_eq!(tries(), 2);
         });
     }
 

@@ -299,6 +299,12 @@ pub trait Backend: Send + Sync + 'static {
     fn read_at_once(&self, _offset: u64, _length: usize) -> Option<Result<ReadData, BackendError>> {
         None
     }
+    /// [`Backend::read`] for a range that [`Backend::read_at_once`] has just declined. A
+    /// backend whose `read` begins with what `read_at_once` tried (a file export's
+    /// non-blocking `preadv2`) skips that try here: it would fail again.
+    fn read_declined(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
+        self.read(offset, length)
+    }
     /// Writes `data` at `offset`; with `fua` the data is durable when this returns.
     fn write(&self, offset: u64, data: Bytes, fua: bool) -> BackendFuture<'_, ()>;
     /// Writes `data` at `offset` at once, on the calling thread, when this backend can do

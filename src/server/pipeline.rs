@@ -424,7 +424,9 @@ impl Pipeline {
         }
         let backend = Arc::clone(&self.backend);
         self.in_flight.push(Box::pin(async move {
-            let result = backend.read(merged.offset, merged.length as usize).await;
+            let result = backend
+                .read_declined(merged.offset, merged.length as usize)
+                .await;
             let mut out = Vec::with_capacity(1 + merged.more.len());
             merged_replies(merged, result, &mut out);
             out
@@ -1862,6 +1864,8 @@ mod tests {
         inner: B,
         at_once: bool,
         reads: std::sync::atomic::AtomicUsize,
+        /// Of `reads`, those asked for with `read_declined`.
+        declined: std::sync::atomic::AtomicUsize,
         spliced: std::sync::atomic::AtomicUsize,
         writes: std::sync::atomic::AtomicUsize,
         inline_writes: std::sync::atomic::AtomicUsize,
@@ -1880,6 +1884,7 @@ mod tests {
                 inner,
                 at_once: false,
                 reads: Default::default(),
+                declined: Default::default(),
                 spliced: Default::default(),
                 writes: Default::default(),
                 inline_writes: Default::default(),
@@ -1905,6 +1910,16 @@ mod tests {
         fn read(&self, offset: u64, length: usize) -> crate::backend::BackendFuture<'_, ReadData> {
             self.reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             self.inner.read(offset, length)
+        }
+        fn read_declined(
+            &self,
+            offset: u64,
+            length: usize,
+        ) -> crate::backend::BackendFuture<'_, ReadData> {
+            self.reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            self.declined
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            self.inner.read_declined(offset, length)
         }
         fn read_at_once(
             &self,
@@ -2037,6 +2052,10 @@ mod tests {
             reads < 32,
             "32 adjacent reads took {reads} backend reads: nothing merged (at once: {at_once})"
         );
+        // A read the backend declined to do at once is asked for as declined, so that a
+        // file export does not try its page cache a second time.
+        let declined = backend.declined.load(std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(declined, if at_once { 0 } else { reads });
     }
 
     /// Sends one write of `data` at 4096 and returns its reply's chunk type, after checking

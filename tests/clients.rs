@@ -338,23 +338,32 @@ fn nbdcopy_uses_four_connections_with_multi_conn() {
     assert_same_file(&out, &source);
 }
 
-/// CPU ticks (user + system) each thread of `pid` named `netblk-conn-*` has used.
-fn connection_thread_ticks(pid: u32) -> Vec<u64> {
-    let mut ticks = Vec::new();
+/// CPU time in nanoseconds each thread of `pid` named `netblk-conn-*` has used: the
+/// scheduler's own count (`schedstat`), which is exact, where the kernel keeps it, else the
+/// user and system clock ticks of `stat` (10 ms steps, which a thread with little to do can
+/// stay under: a fast run once left one thread at 0 ticks).
+fn connection_thread_runtime(pid: u32) -> Vec<u64> {
+    let mut runtime = Vec::new();
     for task in std::fs::read_dir(format!("/proc/{pid}/task")).expect("the server's threads") {
         let dir = task.expect("a thread").path();
         let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
         if !comm.starts_with("netblk-conn-") {
             continue;
         }
-        let stat = std::fs::read_to_string(dir.join("stat")).expect("the thread's stat");
-        // Fields after the command name (which is in parentheses): utime is the 12th
-        // and stime the 13th of them.
-        let after = &stat[stat.rfind(')').expect("a command name") + 2..];
-        let fields: Vec<&str> = after.split_whitespace().collect();
-        ticks.push(fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap());
+        let scheduled = std::fs::read_to_string(dir.join("schedstat"))
+            .ok()
+            .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok());
+        runtime.push(scheduled.unwrap_or_else(|| {
+            let stat = std::fs::read_to_string(dir.join("stat")).expect("the thread's stat");
+            // Fields after the command name (which is in parentheses): utime is the 12th
+            // and stime the 13th of them.
+            let after = &stat[stat.rfind(')').expect("a command name") + 2..];
+            let fields: Vec<&str> = after.split_whitespace().collect();
+            let ticks = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+            ticks * 10_000_000
+        }));
     }
-    ticks
+    runtime
 }
 
 #[test]
@@ -368,11 +377,11 @@ fn connections_spread_over_the_connection_threads_and_each_serves_correctly() {
     let server = Server::start(&["--threads", "2", "memory:256M"]);
     // The threads run before the server says it is listening.
     assert_eq!(
-        connection_thread_ticks(server.pid()).len(),
+        connection_thread_runtime(server.pid()).len(),
         2,
         "one connection thread per --threads"
     );
-    let before = connection_thread_ticks(server.pid());
+    let before = connection_thread_runtime(server.pid());
     // Four connections at once: each thread gets two of them, and both do the work.
     run(Command::new("nbdcopy")
         .args(["--connections=4", "--threads=4", "--flush"])
@@ -384,11 +393,13 @@ fn connections_spread_over_the_connection_threads_and_each_serves_correctly() {
         .arg(server.uri())
         .arg(&out));
     assert_same_file(&out, &source);
-    let after = connection_thread_ticks(server.pid());
+    let after = connection_thread_runtime(server.pid());
+    // Two connections copying 128 MiB between them take far more than a millisecond; a
+    // thread that served none stays parked and uses nothing.
     for (thread, (b, a)) in before.iter().zip(&after).enumerate() {
         assert!(
-            a > b,
-            "connection thread {thread} did no work ({b} → {a} ticks):\n{}",
+            a.saturating_sub(*b) >= 1_000_000,
+            "connection thread {thread} did no work ({b} → {a} ns of CPU):\n{}",
             server.stderr()
         );
     }

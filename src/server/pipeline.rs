@@ -1411,19 +1411,21 @@ fn status_message(enc: ReplyEncoder, result: Result<(), BackendError>, release: 
         Err(e) if e.errno == NbdError::NotSup => {
             enc.error(&mut header, NbdError::NotSup, "zeroing would not be fast")
         }
-        Err(e) => {
-            warn!("{e}");
-            enc.error(&mut header, e.errno, &e.to_string());
-        }
+        Err(e) => return error_message(enc, &e, release),
     }
     Outgoing::new(header, None, release)
 }
 
-fn error_reply(enc: ReplyEncoder, e: &BackendError, release: u64) -> Replies {
+/// The message that reports a backend error, logged.
+fn error_message(enc: ReplyEncoder, e: &BackendError, release: u64) -> Outgoing {
     warn!("{e}");
     let mut header = ReplyHeader::new();
     enc.error(&mut header, e.errno, &e.to_string());
-    vec![Outgoing::new(header, None, release)]
+    Outgoing::new(header, None, release)
+}
+
+fn error_reply(enc: ReplyEncoder, e: &BackendError, release: u64) -> Replies {
+    vec![error_message(enc, e, release)]
 }
 
 /// Content chunks for data read at `offset`; the last is marked done when `done`.

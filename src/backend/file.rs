@@ -25,7 +25,6 @@ use super::{
     Backend, BackendError, BackendFuture, CacheMode, Capabilities, Extent, ReadData, ZeroFlags,
 };
 use crate::buffer::{Buffer, ALIGN};
-use crate::wire::NbdError;
 
 /// Reads shorter than this in writeback mode first try the page cache without blocking
 /// (`RWF_NOWAIT`) on the calling worker: a plain `preadv2` is cheaper than a trip through
@@ -748,12 +747,7 @@ impl Backend for FileBackend {
             drop(held);
             if !zeroed {
                 if flags.fast {
-                    return Err(BackendError::plain(
-                        "write zeroes",
-                        offset,
-                        length,
-                        NbdError::NotSup,
-                    ));
+                    return Err(BackendError::fast_zero_refused(offset, length));
                 }
                 // Written out by hand, through the same path (and locks) as client writes.
                 let mut done = 0;

@@ -316,13 +316,7 @@ impl Backend for MemoryBackend {
         Box::pin(async move {
             // Dropping pages is faster than writing; provisioning zeroed pages is not.
             if flags.fast && !flags.may_trim {
-                let errno = crate::wire::NbdError::NotSup;
-                return Err(super::BackendError::plain(
-                    "write zeroes",
-                    offset,
-                    length,
-                    errno,
-                ));
+                return Err(super::BackendError::fast_zero_refused(offset, length));
             }
             self.zero_now(offset, length, flags.may_trim);
             Ok(())

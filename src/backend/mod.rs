@@ -39,6 +39,10 @@ pub struct BackendError {
     pub errno: NbdError,
     #[source]
     pub source: Option<std::io::Error>,
+    /// A refusal the protocol provides for, not a failure: a fast zero that would not be
+    /// fast ([`BackendError::fast_zero_refused`]). It is answered without a warning, and
+    /// says so.
+    pub refused_fast_zero: bool,
 }
 
 impl BackendError {
@@ -50,10 +54,11 @@ impl BackendError {
             length,
             errno: NbdError::from_io(&source),
             source: Some(source),
+            refused_fast_zero: false,
         }
     }
 
-    /// An error with no underlying cause, such as an unsupported fast zero.
+    /// An error with no underlying cause.
     pub fn plain(op: &'static str, offset: u64, length: u64, errno: NbdError) -> BackendError {
         BackendError {
             op,
@@ -61,6 +66,17 @@ impl BackendError {
             length,
             errno,
             source: None,
+            refused_fast_zero: false,
+        }
+    }
+
+    /// The answer to a write of zeroes with `NBD_CMD_FLAG_FAST_ZERO` that this backend
+    /// could not do faster than writing them: `NBD_ENOTSUP`, which tells the client to
+    /// zero some other way. A refusal, not a failure.
+    pub fn fast_zero_refused(offset: u64, length: u64) -> BackendError {
+        BackendError {
+            refused_fast_zero: true,
+            ..BackendError::plain("fast write of zeroes", offset, length, NbdError::NotSup)
         }
     }
 }

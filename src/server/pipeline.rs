@@ -1408,8 +1408,8 @@ fn status_message(enc: ReplyEncoder, result: Result<(), BackendError>, release: 
     let mut header = ReplyHeader::new();
     match result {
         Ok(()) => enc.ok(&mut header),
-        Err(e) if e.errno == NbdError::NotSup => {
-            enc.error(&mut header, NbdError::NotSup, "zeroing would not be fast")
+        Err(e) if e.refused_fast_zero => {
+            enc.error(&mut header, e.errno, "zeroing would not be fast")
         }
         Err(e) => return error_message(enc, &e, release),
     }
@@ -1861,7 +1861,8 @@ mod tests {
     /// An export (memory unless said otherwise) that counts the reads, spliced reads,
     /// writes and inline writes it is asked for, and fails a write that starts at
     /// `fail_write_at`. Reads at once ([`Backend::read_at_once`]) are passed on only
-    /// when `at_once` is set, and counted among the reads.
+    /// when `at_once` is set, and counted among the reads. With `trim_unsupported`, a
+    /// TRIM fails as a file system without hole punching fails it (EOPNOTSUPP).
     struct CountingReads<B = MemoryBackend> {
         inner: B,
         at_once: bool,
@@ -1872,6 +1873,7 @@ mod tests {
         writes: std::sync::atomic::AtomicUsize,
         inline_writes: std::sync::atomic::AtomicUsize,
         fail_write_at: Option<u64>,
+        trim_unsupported: bool,
     }
 
     impl CountingReads {
@@ -1891,6 +1893,7 @@ mod tests {
                 writes: Default::default(),
                 inline_writes: Default::default(),
                 fail_write_at,
+                trim_unsupported: false,
             }
         }
 
@@ -1979,6 +1982,11 @@ mod tests {
             length: u64,
             fua: bool,
         ) -> crate::backend::BackendFuture<'_, ()> {
+            if self.trim_unsupported {
+                let unsupported = std::io::Error::from_raw_os_error(95); // EOPNOTSUPP
+                let error = BackendError::io("trim", offset, length, unsupported);
+                return Box::pin(std::future::ready(Err(error)));
+            }
             self.inner.trim(offset, length, fua)
         }
         fn write_zeroes(
@@ -2373,6 +2381,45 @@ mod tests {
             memory.pages_adopted() >= at_least as u64,
             "{} pages handed over",
             memory.pages_adopted()
+        );
+    }
+
+    /// The error and message of the structured error chunk that answers `cookie`.
+    async fn read_error_chunk(client: &mut DuplexStream, cookie: u64) -> (u32, String) {
+        let (flags, kind, answered, payload) = read_chunk(client).await;
+        assert_eq!((kind, answered), (reply::TYPE_ERROR, cookie));
+        assert_ne!(flags & reply::FLAG_DONE, 0);
+        let error = u32::from_be_bytes(payload[..4].try_into().unwrap());
+        let message_len = u16::from_be_bytes(payload[4..6].try_into().unwrap()) as usize;
+        let message = String::from_utf8(payload[6..6 + message_len].to_vec()).unwrap();
+        (error, message)
+    }
+
+    #[tokio::test]
+    async fn only_a_refused_fast_zero_is_answered_as_zeroing_that_would_not_be_fast() {
+        let mut backend = CountingReads::new(None);
+        backend.trim_unsupported = true;
+        let mut client = connect_to(Arc::new(backend)).await;
+        let not_supported = NbdError::NotSup as u32;
+
+        // The memory export cannot zero fast without dropping pages, which NO_HOLE forbids.
+        let flags = crate::wire::cmd_flags::FAST_ZERO | crate::wire::cmd_flags::NO_HOLE;
+        let zero = request(cmd::WRITE_ZEROES, flags, 1, 0, 4096);
+        client.write_all(&zero).await.unwrap();
+        let (error, message) = read_error_chunk(&mut client, 1).await;
+        assert_eq!(
+            (error, message.as_str()),
+            (not_supported, "zeroing would not be fast")
+        );
+
+        // The same error code from the operating system is a failure, and says what failed.
+        let trim = request(cmd::TRIM, 0, 2, 8192, 4096);
+        client.write_all(&trim).await.unwrap();
+        let (error, message) = read_error_chunk(&mut client, 2).await;
+        assert_eq!(error, not_supported);
+        assert!(
+            message.starts_with("trim of 4096 bytes at offset 8192 failed"),
+            "{message}"
         );
     }
 

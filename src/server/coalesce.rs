@@ -533,6 +533,20 @@ mod tests {
         ));
     }
 
+    /// Ends a round of `requests` requests, then gathers.
+    fn gather_after_round(
+        c: &mut Coalesce,
+        requests: u32,
+        fd: BorrowedFd<'_>,
+        inbuf: &mut BytesMut,
+    ) -> Gathered {
+        for _ in 0..requests {
+            c.request();
+        }
+        c.replied(1);
+        c.gather(fd, inbuf)
+    }
+
     #[test]
     fn after_a_long_round_gather_naps_without_looking_first() {
         use std::io::Write;
@@ -540,33 +554,18 @@ mod tests {
         let (server, mut client) = std::os::unix::net::UnixStream::pair().unwrap();
         let mut c = Coalesce::default();
         let mut inbuf = BytesMut::new();
-        for _ in 0..NAP_WITHOUT_LOOKING {
-            c.request();
-        }
-        c.replied(1);
+        let long = NAP_WITHOUT_LOOKING;
         // Nothing waits, yet the nap happens: the round said requests would.
-        assert!(matches!(
-            c.gather(server.as_fd(), &mut inbuf),
-            Gathered::Nothing
-        ));
+        let gathered = gather_after_round(&mut c, long, server.as_fd(), &mut inbuf);
+        assert!(matches!(gathered, Gathered::Nothing));
         assert_eq!(c.epoch_naps, 1);
-        c.request();
-        c.replied(1);
-        assert!(matches!(
-            c.gather(server.as_fd(), &mut inbuf),
-            Gathered::Nothing
-        ));
+        let gathered = gather_after_round(&mut c, 1, server.as_fd(), &mut inbuf);
+        assert!(matches!(gathered, Gathered::Nothing));
         assert_eq!(c.epoch_naps, 1, "a round of one request looks first");
         // What waits is read by the one receive after the nap.
         client.write_all(b"request").unwrap();
-        for _ in 0..NAP_WITHOUT_LOOKING {
-            c.request();
-        }
-        c.replied(1);
-        assert!(matches!(
-            c.gather(server.as_fd(), &mut inbuf),
-            Gathered::Bytes
-        ));
+        let gathered = gather_after_round(&mut c, long, server.as_fd(), &mut inbuf);
+        assert!(matches!(gathered, Gathered::Bytes));
         assert_eq!((c.epoch_naps, &inbuf[..]), (2, &b"request"[..]));
     }
 

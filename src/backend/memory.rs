@@ -43,12 +43,19 @@ type Page = Arc<PageBuf>;
 /// What unwritten memory reads as.
 static ZERO_PAGE: [u8; PAGE_SIZE as usize] = [0; PAGE_SIZE as usize];
 
-/// A page held by a read's bytes.
-struct PageRef(Page);
+/// The part of a page that a read's bytes hold (the page stays alive while they do).
+///
+/// The part is fixed here rather than by slicing the whole page's `Bytes`, which clones
+/// and drops a reference (two atomic operations and two calls through the owner's table)
+/// on every read.
+struct PageRef {
+    page: Page,
+    part: std::ops::Range<usize>,
+}
 
 impl AsRef<[u8]> for PageRef {
     fn as_ref(&self) -> &[u8] {
-        &self.0[..]
+        &self.page[self.part.clone()]
     }
 }
 
@@ -136,7 +143,10 @@ impl MemoryBackend {
             .map(Arc::clone);
         match held {
             Some(page) => (
-                Bytes::from_owner(PageRef(page)).slice(in_page..in_page + len),
+                Bytes::from_owner(PageRef {
+                    page,
+                    part: in_page..in_page + len,
+                }),
                 false,
             ),
             None => (Bytes::from_static(&ZERO_PAGE[..len]), true),

@@ -21,7 +21,9 @@ use std::sync::{Arc, Mutex, RwLock};
 use bytes::Bytes;
 
 use super::page_pool::PageBuf;
-use super::{Backend, BackendFuture, Capabilities, Extent, PageStore, ReadData, ZeroFlags};
+use super::{
+    Backend, BackendFuture, Capabilities, Extent, PagePart, PageStore, Pieces, ReadData, ZeroFlags,
+};
 
 /// Bytes per page: the allocation and hole granularity.
 pub const PAGE_SIZE: u64 = 64 * 1024;
@@ -42,22 +44,6 @@ type Page = Arc<PageBuf>;
 
 /// What unwritten memory reads as.
 static ZERO_PAGE: [u8; PAGE_SIZE as usize] = [0; PAGE_SIZE as usize];
-
-/// The part of a page that a read's bytes hold (the page stays alive while they do).
-///
-/// The part is fixed here rather than by slicing the whole page's `Bytes`, which clones
-/// and drops a reference (two atomic operations and two calls through the owner's table)
-/// on every read.
-struct PageRef {
-    page: Page,
-    part: std::ops::Range<usize>,
-}
-
-impl AsRef<[u8]> for PageRef {
-    fn as_ref(&self) -> &[u8] {
-        &self.page[self.part.clone()]
-    }
-}
 
 /// A new page of zeroes, from the huge-page pool ([`super::page_pool`]).
 fn zero_page() -> Page {
@@ -132,42 +118,42 @@ impl MemoryBackend {
         }
     }
 
-    /// `len` bytes of page `page` from `in_page` on, by reference, and whether they are a
-    /// hole (a page never written reads from a static page of zeroes).
-    fn page_bytes(&self, page: u64, in_page: usize, len: usize) -> (Bytes, bool) {
+    /// `len` bytes of page `page` from `in_page` on, by reference; `None` for a page never
+    /// written (a hole, which reads as zeroes).
+    fn page_part(&self, page: u64, in_page: usize, len: usize) -> Option<PagePart> {
         let held = self
             .shard(page)
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .get(&page)
-            .map(Arc::clone);
-        match held {
-            Some(page) => (
-                Bytes::from_owner(PageRef {
-                    page,
-                    part: in_page..in_page + len,
-                }),
-                false,
-            ),
-            None => (Bytes::from_static(&ZERO_PAGE[..len]), true),
-        }
+            .map(Arc::clone)?;
+        Some(PagePart {
+            page: held,
+            start: in_page,
+            len,
+        })
     }
 
     fn read_now(&self, offset: u64, length: usize) -> ReadData {
         let in_page = (offset % PAGE_SIZE) as usize;
         if in_page + length <= PAGE_SIZE as usize {
-            // Within one page (every 4 KiB read): no list of pieces to build.
-            let (data, hole) = self.page_bytes(offset / PAGE_SIZE, in_page, length);
+            // Within one page (every 4 KiB read): no list of pieces to build, and no
+            // allocation (`Pieces::Page`).
+            let (data, hole) = match self.page_part(offset / PAGE_SIZE, in_page, length) {
+                Some(part) => (Pieces::Page(part), false),
+                None => (Bytes::from_static(&ZERO_PAGE[..length]).into(), true),
+            };
             return ReadData {
-                data: data.into(),
+                data,
                 runs: smallvec::smallvec![(length, hole)],
             };
         }
         let mut pieces = Vec::with_capacity(length.div_ceil(PAGE_SIZE as usize) + 1);
         let mut runs = super::Runs::new();
         Self::for_each_piece(offset, length as u64, |page, in_page, _, len| {
-            let (bytes, hole) = self.page_bytes(page, in_page, len);
-            pieces.push(bytes);
+            let part = self.page_part(page, in_page, len);
+            let hole = part.is_none();
+            pieces.push(part.map_or_else(|| Bytes::from_static(&ZERO_PAGE[..len]), Bytes::from));
             match runs.last_mut() {
                 Some((run_len, run_hole)) if *run_hole == hole => *run_len += len,
                 _ => runs.push((len, hole)),
@@ -398,7 +384,7 @@ mod tests {
         block_on(m.write(0, Bytes::from(vec![1u8; 2 * PAGE_SIZE as usize]), false)).unwrap();
         let held = block_on(m.read(100, PAGE_SIZE as usize)).unwrap();
         assert_eq!(
-            held.data.as_slice().len(),
+            held.data.slices().count(),
             2,
             "a piece per page, by reference"
         );

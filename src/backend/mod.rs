@@ -157,14 +157,55 @@ impl Extent {
 pub enum Pieces {
     One(Bytes),
     Many(Vec<Bytes>),
+    /// Part of one memory-export page, held by the page's own reference count: a read
+    /// within one page (every 4 KiB read) allocates nothing. As a `Bytes` the part needs a
+    /// boxed owner per read; its allocation, free and reference counting were 1.4% of the
+    /// server's samples on 4 KiB random reads at QD32 (`perf`), where dropping a `Pieces`
+    /// is now 0.25%.
+    Page(PagePart),
+}
+
+/// `len` bytes of a page from `start` on.
+#[derive(Debug, Clone)]
+pub struct PagePart {
+    pub page: Arc<PageBuf>,
+    pub start: usize,
+    pub len: usize,
+}
+
+impl PagePart {
+    fn bytes(&self) -> &[u8] {
+        &self.page[self.start..self.start + self.len]
+    }
+}
+
+/// The buffers of [`Pieces`], in order.
+pub struct Slices<'a> {
+    buffers: std::slice::Iter<'a, Bytes>,
+    page: Option<&'a [u8]>,
+}
+
+impl<'a> Iterator for Slices<'a> {
+    type Item = &'a [u8];
+
+    fn next(&mut self) -> Option<&'a [u8]> {
+        self.page
+            .take()
+            .or_else(|| self.buffers.next().map(|b| &b[..]))
+    }
 }
 
 impl Pieces {
     /// The buffers, in order.
-    pub fn as_slice(&self) -> &[Bytes] {
-        match self {
-            Pieces::One(one) => std::slice::from_ref(one),
-            Pieces::Many(many) => many,
+    pub fn slices(&self) -> Slices<'_> {
+        let (buffers, page): (&[Bytes], _) = match self {
+            Pieces::One(one) => (std::slice::from_ref(one), None),
+            Pieces::Many(many) => (many, None),
+            Pieces::Page(part) => (&[], Some(part.bytes())),
+        };
+        Slices {
+            buffers: buffers.iter(),
+            page,
         }
     }
 
@@ -172,6 +213,7 @@ impl Pieces {
         match self {
             Pieces::One(one) => one.len(),
             Pieces::Many(many) => many.iter().map(Bytes::len).sum(),
+            Pieces::Page(part) => part.len,
         }
     }
 
@@ -183,6 +225,7 @@ impl Pieces {
     pub fn to_bytes(&self) -> Bytes {
         match self {
             Pieces::One(one) => one.clone(),
+            Pieces::Page(part) => Bytes::from(part.clone()),
             Pieces::Many(many) => {
                 let mut all = Vec::with_capacity(self.len());
                 for piece in many {
@@ -196,20 +239,45 @@ impl Pieces {
     /// The bytes `[start, start + length)`, sharing the buffers.
     pub fn slice(&self, start: usize, length: usize) -> Pieces {
         let end = start + length;
-        if let Pieces::One(one) = self {
+        match self {
             // A merged read's parts, one per request: no list to build for each.
-            return Pieces::One(one.slice(start..end));
-        }
-        let mut out = Vec::new();
-        let mut at = 0usize;
-        for piece in self.as_slice() {
-            let (from, to) = (at.max(start), (at + piece.len()).min(end));
-            if from < to {
-                out.push(piece.slice(from - at..to - at));
+            Pieces::One(one) => Pieces::One(one.slice(start..end)),
+            Pieces::Page(part) => {
+                assert!(end <= part.len, "{start}+{length} is outside the part");
+                Pieces::Page(PagePart {
+                    page: Arc::clone(&part.page),
+                    start: part.start + start,
+                    len: length,
+                })
             }
-            at += piece.len();
+            Pieces::Many(many) => {
+                let mut out = Vec::new();
+                let mut at = 0usize;
+                for piece in many {
+                    let (from, to) = (at.max(start), (at + piece.len()).min(end));
+                    if from < to {
+                        out.push(piece.slice(from - at..to - at));
+                    }
+                    at += piece.len();
+                }
+                Pieces::from(out)
+            }
         }
-        Pieces::from(out)
+    }
+}
+
+/// A page part as the owner of a `Bytes`.
+struct PageOwner(PagePart);
+
+impl AsRef<[u8]> for PageOwner {
+    fn as_ref(&self) -> &[u8] {
+        self.0.bytes()
+    }
+}
+
+impl From<PagePart> for Bytes {
+    fn from(part: PagePart) -> Bytes {
+        Bytes::from_owner(PageOwner(part))
     }
 }
 
@@ -232,12 +300,7 @@ impl From<Vec<Bytes>> for Pieces {
 /// Equal when they hold the same bytes, however they are split.
 impl PartialEq for Pieces {
     fn eq(&self, other: &Pieces) -> bool {
-        self.len() == other.len()
-            && self
-                .as_slice()
-                .iter()
-                .flat_map(|p| p.iter())
-                .eq(other.as_slice().iter().flat_map(|p| p.iter()))
+        self.len() == other.len() && self.slices().flatten().eq(other.slices().flatten())
     }
 }
 
@@ -528,8 +591,8 @@ mod tests {
             assert_eq!(part.len(), len);
             assert_eq!(&part.to_bytes()[..], &all[start..start + len]);
         }
-        assert_eq!(split.slice(99, 3).as_slice().len(), 3, "shares the buffers");
-        assert_eq!(split.slice(10, 5).as_slice().len(), 1);
+        assert_eq!(split.slice(99, 3).slices().count(), 3, "shares the buffers");
+        assert_eq!(split.slice(10, 5).slices().count(), 1);
         let one = Pieces::from(Bytes::from(all.clone()));
         for (start, len) in [(0, 256), (10, 20), (255, 1), (256, 0)] {
             assert_eq!(
@@ -537,6 +600,32 @@ mod tests {
                 &all[start..start + len]
             );
         }
+    }
+
+    #[test]
+    fn a_page_part_slices_shares_its_page_and_compares_by_content() {
+        let all: Vec<u8> = (0..page_pool::PAGE_BYTES)
+            .map(|i| (i % 251) as u8)
+            .collect();
+        let page = Arc::new(PageBuf::copy_of(&all));
+        let part = Pieces::Page(PagePart {
+            page: Arc::clone(&page),
+            start: 1000,
+            len: 4096,
+        });
+        assert_eq!(part.len(), 4096);
+        assert_eq!(part.slices().collect::<Vec<_>>(), [&all[1000..5096]]);
+        assert_eq!(part, Pieces::from(Bytes::copy_from_slice(&all[1000..5096])));
+        let inner = part.slice(96, 4000);
+        assert!(
+            matches!(inner, Pieces::Page(_)),
+            "a part of a part is a part"
+        );
+        assert_eq!(&inner.to_bytes()[..], &all[1096..5096]);
+        // The page is held by reference, not copied: the part, its slice, the test's own.
+        assert_eq!(Arc::strong_count(&page), 3);
+        drop((part, inner));
+        assert_eq!(Arc::strong_count(&page), 1);
     }
 
     #[test]

@@ -857,11 +857,10 @@ impl Pipeline {
             // whose data waits in a pipe ends the batch after its header.
             'gather: for message in &self.outq {
                 let pieces = match (&message.spliced, &message.data) {
-                    (Some(_), _) => &[][..],
-                    (None, data) => data.as_ref().map_or(&[][..], Pieces::as_slice),
+                    (Some(_), _) => None,
+                    (None, data) => data.as_ref().map(Pieces::slices),
                 };
-                for part in
-                    std::iter::once(&message.header[..]).chain(pieces.iter().map(|p| &p[..]))
+                for part in std::iter::once(&message.header[..]).chain(pieces.into_iter().flatten())
                 {
                     if skip >= part.len() {
                         skip -= part.len();

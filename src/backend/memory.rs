@@ -45,6 +45,11 @@ type Page = Arc<PageBuf>;
 /// What unwritten memory reads as.
 static ZERO_PAGE: [u8; PAGE_SIZE as usize] = [0; PAGE_SIZE as usize];
 
+/// `len` bytes of a hole, read from the static page of zeroes.
+fn hole_bytes(len: usize) -> Bytes {
+    Bytes::from_static(&ZERO_PAGE[..len])
+}
+
 /// A new page of zeroes, from the huge-page pool ([`super::page_pool`]).
 fn zero_page() -> Page {
     Arc::new(PageBuf::zeroed())
@@ -141,7 +146,7 @@ impl MemoryBackend {
             // allocation (`Pieces::Page`).
             let (data, hole) = match self.page_part(offset / PAGE_SIZE, in_page, length) {
                 Some(part) => (Pieces::Page(part), false),
-                None => (Bytes::from_static(&ZERO_PAGE[..length]).into(), true),
+                None => (hole_bytes(length).into(), true),
             };
             return ReadData {
                 data,
@@ -153,7 +158,7 @@ impl MemoryBackend {
         Self::for_each_piece(offset, length as u64, |page, in_page, _, len| {
             let part = self.page_part(page, in_page, len);
             let hole = part.is_none();
-            pieces.push(part.map_or_else(|| Bytes::from_static(&ZERO_PAGE[..len]), Bytes::from));
+            pieces.push(part.map_or_else(|| hole_bytes(len), Bytes::from));
             match runs.last_mut() {
                 Some((run_len, run_hole)) if *run_hole == hole => *run_len += len,
                 _ => runs.push((len, hole)),

@@ -34,6 +34,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # which honours CARGO_TARGET_DIR (a worktree built into another target directory).
 NETBLK = os.environ.get("NETBLK_BIN") or os.path.join(
     os.environ.get("CARGO_TARGET_DIR") or os.path.join(ROOT, "target"), "release", "netblk")
+# The load generator of the `nbdload-` rows (examples/nbd-load.rs), built beside it.
+NBD_LOAD = os.path.join(os.path.dirname(NETBLK), "examples", "nbd-load")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 SIZE = 512 << 20  # exports and backing file
 NSTAT_KEYS = ("TcpExtDelayedACKs", "TcpExtDelayedACKLost", "TcpRetransSegs")
@@ -199,6 +201,12 @@ def workloads():
         # reply by walking a list of every command in flight, newest first, so one handle at
         # QD256 costs the client more per reply than at QD32; see RESULTS.md).
         "randread-8x32": (["--rw=randread", "--bs=4k", "--iodepth=32", "--numjobs=8", "--group_reporting"], mem + ["netblk-file", "nbdkit-file"]),
+        # The same random reads from netblk's own load generator (`nbdload-` rows run
+        # examples/nbd-load.rs, not fio): one connection, the cookie as the index of the
+        # request's slot, so its cost per reply does not grow with depth as libnbd's does.
+        # It tells whether a server loses anything at QD256 when the client does not.
+        "nbdload-randread-qd32": (["--depth=32"], mem + ["netblk-file", "nbdkit-file"]),
+        "nbdload-randread-qd256": (["--depth=256"], mem + ["netblk-file", "nbdkit-file"]),
         "randwrite-qd32": (["--rw=randwrite", "--bs=4k", "--iodepth=32"], both),
         "write-fsync-qd1": (["--rw=randwrite", "--bs=4k", "--iodepth=1", "--fsync=1"], files),
         "seqread-1m-qd8": (["--rw=read", "--bs=1m", "--iodepth=8"], both),
@@ -236,6 +244,18 @@ def run_fio(job_args, target, runtime, out_path):
             "sync_lat_us": sync / 1000}
 
 
+def run_load(job_args, port, runtime):
+    """Runs the load generator (random 4 KiB reads, simple replies) against a server, after a
+    1 s ramp as fio's runs have; the same fields as run_fio."""
+    argv = [NBD_LOAD, f"--address=127.0.0.1:{port}", f"--runtime={runtime}", "--ramp=1", *job_args]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=runtime + 60)
+    if proc.returncode != 0:
+        raise RuntimeError(f"nbd-load failed: {proc.stderr.strip()[-300:]}")
+    report = json.loads(proc.stdout)
+    return {"ios": report["requests"], "iops": report["iops"], "mbps": report["iops"] * report["block"] / 1e6,
+            "runtime_s": report["seconds"], "lat_us": report["mean_latency_us"], "sync_lat_us": 0}
+
+
 def one_run(name, job_args, server_name, backing, runtime, scratch):
     out = os.path.join(scratch, "fio.json")
     if server_name == LOCAL or SERVERS[server_name].kind == "file":
@@ -259,7 +279,10 @@ def one_run(name, job_args, server_name, backing, runtime, scratch):
             # The TCP counters start after the prefill: its 1 MiB writes are not the workload.
             net_before = nstat()
             sampler, cpu_before = CpuSampler(proc.pid), cpu_times()
-            result = run_fio(job_args, f"nbd://127.0.0.1:{port}", runtime, out)
+            if name.startswith("nbdload-"):
+                result = run_load(job_args, port, runtime)
+            else:
+                result = run_fio(job_args, f"nbd://127.0.0.1:{port}", runtime, out)
             cpu = sampler.window(result["runtime_s"])
             result["steal"] = steal_share(cpu_before, cpu_times())
             result["cpu_per_mreq"] = cpu / (result["ios"] / 1e6) if result["ios"] else None
@@ -569,6 +592,8 @@ def main():
     runtime = args.runtime or (2 if args.quick else 5)
     if not os.path.exists(NETBLK):
         subprocess.run(["cargo", "build", "--release"], cwd=ROOT, check=True)
+    if not os.path.exists(NBD_LOAD):
+        subprocess.run(["cargo", "build", "--release", "--example", "nbd-load"], cwd=ROOT, check=True)
     selected = {k: v for k, v in workloads().items() if not args.only or any(k.startswith(o) for o in args.only)}
     fs_selected = {}
     if not args.only or any(FS_WORKLOAD.startswith(o) for o in args.only):
@@ -682,6 +707,11 @@ def write_report(args, selected, fs_selected, results, errors, rounds, runtime, 
             target(f"{w} IOPS ≥ nbdkit ({kind})", r, r is not None and r >= 1.0, f"{fmt(r, 2)}×")
         r = ratio(med(results, ("randread-qd256", f"netblk-{kind}"), "iops"), med(results, ("randread-qd32", f"netblk-{kind}"), "iops"))
         target(f"IOPS at QD256 ≥ IOPS at QD32 ({kind})", r, r is not None and r >= 1.0, f"{fmt(r, 2)}×")
+        for server in (f"netblk-{kind}", f"nbdkit-{kind}"):
+            r = ratio(med(results, ("nbdload-randread-qd256", server), "iops"),
+                      med(results, ("nbdload-randread-qd32", server), "iops"))
+            target(f"(the same, from nbd-load, whose cost per reply does not grow with depth) QD256 ≥ QD32 ({server})",
+                   r, r is not None and r >= 1.0, f"{fmt(r, 2)}×")
         r = ratio(med(results, ("randread-8x32", f"netblk-{kind}"), "iops"), med(results, ("randread-qd32", f"netblk-{kind}"), "iops"))
         target(f"(diagnostic) 256 in flight over 8 connections ≥ QD32 ({kind})", r, r is not None and r >= 1.0, f"{fmt(r, 2)}×")
         r = ratio(med(results, ("randread-qd1", f"netblk-{kind}"), "lat_us"), med(results, ("randread-qd1", f"nbdkit-{kind}"), "lat_us"))
@@ -725,7 +755,11 @@ def write_report(args, selected, fs_selected, results, errors, rounds, runtime, 
               "--ioengine=nbd --uri=nbd://127.0.0.1:PORT` plus the workload's arguments (the local row uses "
               "`--ioengine=io_uring --direct=1 --filename=FILE` instead):", ""]
     for name, (job, _) in selected.items():
-        lines.append(f"- {name}: `{' '.join(job)}`")
+        if name.startswith("nbdload-"):
+            lines.append(f"- {name}: not fio: `target/release/examples/nbd-load --address=127.0.0.1:PORT "
+                         f"--runtime=R --ramp=1 {' '.join(job)}` (random 4 KiB reads, one connection, simple replies)")
+        else:
+            lines.append(f"- {name}: `{' '.join(job)}`")
     lines += kept_sections(out, fresh)
     with open(out, "w") as f:
         f.write("\n".join(lines) + "\n")

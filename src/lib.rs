@@ -15,7 +15,8 @@
 //! - [`replication`]: replication of an export across nodes (a backend layer), its
 //!   resource file, peer protocol and crash-safe metadata.
 //! - [`buffer`]: the pool of large I/O buffers (no allocation per request on the hot path).
-//! - [`size`]: `512K`/`1G`-style sizes; [`fuzzing`]: entry points for the fuzz targets.
+//! - [`size`]: `512K`/`1G`-style sizes; [`fuzzing`]: entry points for the fuzz targets;
+//!   [`loadgen`]: a client for the benchmark whose cost per request does not grow with depth.
 //!
 //! The `netblk` binary (`src/main.rs`) is only the command line around [`server::serve`].
 
@@ -29,6 +30,7 @@ pub mod buffer;
 pub mod config;
 pub mod fuzzing;
 pub mod listen;
+pub mod loadgen;
 pub mod replication;
 pub mod server;
 pub mod size;

@@ -171,7 +171,13 @@ pub fn run(stream: &mut TcpStream, size: u64, spec: &LoadSpec) -> Result<LoadRep
     let mut free: Vec<usize> = (0..spec.depth).rev().collect();
     let mut out = Vec::with_capacity(spec.depth * 28);
     let reply_len = SIMPLE_REPLY_LEN + spec.block as usize;
-    let mut inbuf = vec![0u8; (reply_len * spec.depth).clamp(64 * 1024, 4 << 20)];
+    // Room for every reply in flight up to 4 MiB, and always for one whole reply.
+    let mut inbuf = vec![
+        0u8;
+        (reply_len * spec.depth)
+            .clamp(64 * 1024, 4 << 20)
+            .max(reply_len)
+    ];
     let (mut filled, mut parsed) = (0usize, 0usize);
 
     let start = Instant::now();
@@ -280,8 +286,11 @@ mod tests {
         assert!(seen.len() > 900, "offsets should cover the export");
     }
 
-    /// A memory export served on a runtime of its own; the address and what stops it.
-    fn memory_server() -> (
+    /// A memory export of `size` bytes served on a runtime of its own; the address and
+    /// what stops it.
+    fn memory_server(
+        size: u64,
+    ) -> (
         String,
         tokio::sync::oneshot::Sender<()>,
         std::thread::JoinHandle<()>,
@@ -306,7 +315,7 @@ mod tests {
                     exports: vec![Arc::new(Export {
                         name: String::new(),
                         description: String::new(),
-                        backend: Arc::new(MemoryBackend::new(1 << 20, false)) as Arc<dyn Backend>,
+                        backend: Arc::new(MemoryBackend::new(size, false)) as Arc<dyn Backend>,
                     })],
                     handshake_timeout: Duration::from_secs(10),
                     max_merge: DEFAULT_MAX_MERGE,
@@ -324,7 +333,7 @@ mod tests {
 
     #[test]
     fn reads_at_every_depth_are_answered_and_counted() {
-        let (addr, stop, thread) = memory_server();
+        let (addr, stop, thread) = memory_server(1 << 20);
         for depth in [1, 64, 300] {
             let spec = LoadSpec {
                 depth,
@@ -337,6 +346,22 @@ mod tests {
             assert!(report.requests > 100, "depth {depth}: {report:?}");
             assert!(report.mean_latency_us > 0.0, "depth {depth}: {report:?}");
         }
+        stop.send(()).unwrap();
+        thread.join().unwrap();
+    }
+
+    #[test]
+    fn reads_larger_than_the_receive_buffer_s_cap_are_read_whole() {
+        let (addr, stop, thread) = memory_server(32 << 20);
+        let spec = LoadSpec {
+            depth: 2,
+            block: 8 << 20,
+            duration: Duration::from_millis(200),
+            ramp: Duration::ZERO,
+            seed: 5,
+        };
+        let report = random_reads(&addr, &spec).expect("the run succeeds");
+        assert!(report.requests > 0, "{report:?}");
         stop.send(()).unwrap();
         thread.join().unwrap();
     }

@@ -286,6 +286,17 @@ mod tests {
         assert!(seen.len() > 900, "offsets should cover the export");
     }
 
+    /// `depth` reads of `block` bytes counted for `millis`, with no ramp.
+    fn spec(depth: usize, block: u32, millis: u64) -> LoadSpec {
+        LoadSpec {
+            depth,
+            block,
+            duration: Duration::from_millis(millis),
+            ramp: Duration::ZERO,
+            seed: 3,
+        }
+    }
+
     /// A memory export of `size` bytes served on a runtime of its own; the address and
     /// what stops it.
     fn memory_server(
@@ -336,11 +347,8 @@ mod tests {
         let (addr, stop, thread) = memory_server(1 << 20);
         for depth in [1, 64, 300] {
             let spec = LoadSpec {
-                depth,
-                block: 4096,
-                duration: Duration::from_millis(200),
                 ramp: Duration::from_millis(50),
-                seed: 3,
+                ..spec(depth, 4096, 200)
             };
             let report = random_reads(&addr, &spec).expect("the run succeeds");
             assert!(report.requests > 100, "depth {depth}: {report:?}");
@@ -353,27 +361,28 @@ mod tests {
     #[test]
     fn reads_larger_than_the_receive_buffer_s_cap_are_read_whole() {
         let (addr, stop, thread) = memory_server(32 << 20);
-        let spec = LoadSpec {
-            depth: 2,
-            block: 8 << 20,
-            duration: Duration::from_millis(200),
-            ramp: Duration::ZERO,
-            seed: 5,
-        };
+        let spec = spec(2, 8 << 20, 200);
         let report = random_reads(&addr, &spec).expect("the run succeeds");
         assert!(report.requests > 0, "{report:?}");
         stop.send(()).unwrap();
         thread.join().unwrap();
     }
 
+    /// A server on a thread that runs `script` on the one connection it accepts.
+    fn fake_server(
+        script: impl FnOnce(TcpStream) + Send + 'static,
+    ) -> (String, std::thread::JoinHandle<()>) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let server = std::thread::spawn(move || script(listener.accept().unwrap().0));
+        (addr, server)
+    }
+
     #[test]
     fn an_error_reply_ends_the_run_without_waiting_for_data() {
         use crate::wire::handshake::encode_greeting;
         use crate::wire::{handshake_flags, opt};
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
-        let server = std::thread::spawn(move || {
-            let (mut socket, _) = listener.accept().unwrap();
+        let (addr, server) = fake_server(|mut socket| {
             socket
                 .write_all(&encode_greeting(
                     handshake_flags::FIXED_NEWSTYLE | handshake_flags::NO_ZEROES,
@@ -403,13 +412,7 @@ mod tests {
                 .unwrap();
             let _ = socket.read(&mut [0u8; 1]);
         });
-        let spec = LoadSpec {
-            depth: 1,
-            block: 4096,
-            duration: Duration::from_millis(100),
-            ramp: Duration::ZERO,
-            seed: 1,
-        };
+        let spec = spec(1, 4096, 100);
         let started = Instant::now();
         let error = random_reads(&addr, &spec).unwrap_err();
         assert!(
@@ -422,19 +425,10 @@ mod tests {
 
     #[test]
     fn a_server_that_does_not_speak_nbd_is_a_protocol_error() {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
-        let server = std::thread::spawn(move || {
-            let (mut socket, _) = listener.accept().unwrap();
+        let (addr, server) = fake_server(|mut socket| {
             socket.write_all(b"SSH-2.0-OpenSSH_9.2 hello\r\n").unwrap();
         });
-        let spec = LoadSpec {
-            depth: 1,
-            block: 4096,
-            duration: Duration::from_millis(10),
-            ramp: Duration::ZERO,
-            seed: 1,
-        };
+        let spec = spec(1, 4096, 10);
         let error = random_reads(&addr, &spec).unwrap_err();
         assert!(matches!(error, LoadError::Protocol(_)), "{error}");
         server.join().unwrap();

@@ -1,15 +1,17 @@
-//! Random reads against an NBD server at a fixed depth, from a client whose cost per request
-//! does not grow with the depth ([`netblk::loadgen`]); prints one JSON line.
+//! Reads against an NBD server at a fixed depth, random or sequential, from a client whose
+//! cost per request does not grow with the depth nor its cost per byte with the read size
+//! ([`netblk::loadgen`]); prints one JSON line.
 //!
 //! `cargo run --release --example nbd-load -- --address 127.0.0.1:10809 --depth 256`
+//! `cargo run --release --example nbd-load -- --depth 8 --block 33554432 --sequential`
 
 use std::time::Duration;
 
 use clap::Parser;
-use netblk::loadgen::{random_reads, LoadSpec};
+use netblk::loadgen::{reads, LoadSpec};
 
 #[derive(Parser)]
-#[command(about = "Random reads at a fixed depth against an NBD server (simple replies)")]
+#[command(about = "Reads at a fixed depth against an NBD server (simple replies)")]
 struct Args {
     /// The server's TCP address.
     #[arg(long, default_value = "127.0.0.1:10809")]
@@ -29,6 +31,9 @@ struct Args {
     /// Seed of the offsets.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Read the export in order instead of at random.
+    #[arg(long)]
+    sequential: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -39,13 +44,15 @@ fn main() -> anyhow::Result<()> {
         duration: Duration::from_secs_f64(args.runtime),
         ramp: Duration::from_secs_f64(args.ramp),
         seed: args.seed,
+        sequential: args.sequential,
     };
-    let report = random_reads(&args.address, &spec)?;
+    let report = reads(&args.address, &spec)?;
     println!(
         "{}",
         serde_json::json!({
             "depth": spec.depth,
             "block": spec.block,
+            "sequential": spec.sequential,
             "requests": report.requests,
             "seconds": report.seconds,
             "iops": report.iops(),

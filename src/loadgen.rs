@@ -1,14 +1,17 @@
-//! A load generator: an NBD client that keeps a fixed number of 4 KiB-style random reads in
-//! flight on one connection and finds each reply's request by its cookie in constant time.
+//! A load generator: an NBD client that keeps a fixed number of reads (random or sequential)
+//! in flight on one connection and finds each reply's request by its cookie in constant time.
 //!
 //! Why it exists: the benchmark's client, fio's `nbd` engine, goes through libnbd, which
 //! keeps the commands in flight in a list and walks it for every reply. At iodepth 256 that
 //! walk, not the server, sets the rate (bench/RESULTS.md, sessions 8 to 18), so fio cannot
 //! say whether a server loses anything with more requests in flight. This client's cost per
 //! request does not grow with the depth: it sends every free slot's request in one write,
-//! reads replies in large reads, and uses the cookie as the slot's index. `bench/bench.py`
-//! runs it (`cargo run --release --example nbd-load`) at iodepth 32 and 256 against each
-//! server beside the fio rows.
+//! reads replies in large reads into one buffer, and uses the cookie as the slot's index.
+//! Nor does its cost per byte grow with the read size: data is consumed as it arrives into
+//! a buffer that stays in cache, where fio (through libnbd) first zeroes each request's
+//! buffer and then receives into it, 256 MiB of buffers for 32 MiB reads at iodepth 8.
+//! `bench/bench.py` runs it (`cargo run --release --example nbd-load`) at iodepth 32 and 256,
+//! and for sequential reads from 64 KiB to 32 MiB, beside the fio rows.
 //!
 //! It negotiates simple replies (`NBD_OPT_GO` without structured replies), as the Linux
 //! kernel client does, and reads the export named `""`.
@@ -34,6 +37,8 @@ pub struct LoadSpec {
     pub ramp: Duration,
     /// Seed of the offsets' generator.
     pub seed: u64,
+    /// Read the export in order, from the start, wrapping at its end, instead of at random.
+    pub sequential: bool,
 }
 
 /// What a run measured, over the counted window.
@@ -120,16 +125,23 @@ pub fn handshake(stream: &mut TcpStream) -> Result<u64, LoadError> {
     size.ok_or_else(|| protocol("NBD_OPT_GO ended without the export's size"))
 }
 
-/// xorshift64*: offsets that neither repeat in a pattern the server could exploit nor cost
-/// the client anything to make.
+/// Where the reads go: xorshift64* for random offsets (no pattern the server could exploit,
+/// at no cost to the client), or one block after another.
 struct Offsets {
     state: u64,
     blocks: u64,
     block: u64,
+    sequential: bool,
+    next_block: u64,
 }
 
 impl Offsets {
     fn next(&mut self) -> u64 {
+        if self.sequential {
+            let block = self.next_block;
+            self.next_block = (block + 1) % self.blocks;
+            return block * self.block;
+        }
         self.state ^= self.state >> 12;
         self.state ^= self.state << 25;
         self.state ^= self.state >> 27;
@@ -137,8 +149,8 @@ impl Offsets {
     }
 }
 
-/// Connects to `address`, negotiates, and runs `spec`'s random reads.
-pub fn random_reads(address: &str, spec: &LoadSpec) -> Result<LoadReport, LoadError> {
+/// Connects to `address`, negotiates, and runs `spec`'s reads.
+pub fn reads(address: &str, spec: &LoadSpec) -> Result<LoadReport, LoadError> {
     let mut stream = TcpStream::connect(address)?;
     stream.set_nodelay(true)?;
     let size = handshake(&mut stream)?;
@@ -152,8 +164,8 @@ struct Slot {
     sent: Instant,
 }
 
-/// Runs `spec`'s random reads over a negotiated `stream` to an export of `size` bytes,
-/// then lets every request in flight finish.
+/// Runs `spec`'s reads over a negotiated `stream` to an export of `size` bytes, then lets
+/// every request in flight finish.
 pub fn run(stream: &mut TcpStream, size: u64, spec: &LoadSpec) -> Result<LoadReport, LoadError> {
     let block = u64::from(spec.block);
     if spec.depth == 0 || block == 0 || size < block {
@@ -166,19 +178,17 @@ pub fn run(stream: &mut TcpStream, size: u64, spec: &LoadSpec) -> Result<LoadRep
         state: spec.seed | 1,
         blocks: size / block,
         block,
+        sequential: spec.sequential,
+        next_block: 0,
     };
     let mut slots: Vec<Option<Slot>> = vec![None; spec.depth];
     let mut free: Vec<usize> = (0..spec.depth).rev().collect();
     let mut out = Vec::with_capacity(spec.depth * 28);
-    let reply_len = SIMPLE_REPLY_LEN + spec.block as usize;
-    // Room for every reply in flight up to 4 MiB, and always for one whole reply.
-    let mut inbuf = vec![
-        0u8;
-        (reply_len * spec.depth)
-            .clamp(64 * 1024, 4 << 20)
-            .max(reply_len)
-    ];
-    let (mut filled, mut parsed) = (0usize, 0usize);
+    let mut inbuf = vec![0u8; RECEIVE_BUFFER];
+    // Bytes of a reply header carried over from the last receive, and the reply whose
+    // data is still arriving (its slot and how many bytes are owed).
+    let mut held = 0usize;
+    let mut receiving: Option<(usize, usize)> = None;
 
     let start = Instant::now();
     let count_from = start + spec.ramp;
@@ -188,8 +198,7 @@ pub fn run(stream: &mut TcpStream, size: u64, spec: &LoadSpec) -> Result<LoadRep
     let mut in_flight = 0usize;
     loop {
         let now = Instant::now();
-        let sending = now < stop_at;
-        if sending {
+        if now < stop_at {
             out.clear();
             while let Some(index) = free.pop() {
                 let offset = offsets.next();
@@ -211,21 +220,38 @@ pub fn run(stream: &mut TcpStream, size: u64, spec: &LoadSpec) -> Result<LoadRep
         if in_flight == 0 {
             break;
         }
-        if parsed == filled {
-            (filled, parsed) = (0, 0);
-        } else if inbuf.len() - filled < reply_len {
-            inbuf.copy_within(parsed..filled, 0);
-            (filled, parsed) = (filled - parsed, 0);
-        }
-        let n = stream.read(&mut inbuf[filled..])?;
+        let n = stream.read(&mut inbuf[held..])?;
         if n == 0 {
             return Err(protocol("the server closed with requests in flight"));
         }
-        filled += n;
+        let filled = held + n;
         let arrived = Instant::now();
-        // An error reply is the header alone; a read's reply carries its data.
-        while filled - parsed >= SIMPLE_REPLY_LEN {
-            let reply = &inbuf[parsed..parsed + SIMPLE_REPLY_LEN];
+        let mut at = 0;
+        while at < filled {
+            if let Some((index, owed)) = receiving {
+                let taken = owed.min(filled - at);
+                at += taken;
+                if taken < owed {
+                    receiving = Some((index, owed - taken));
+                    continue;
+                }
+                receiving = None;
+                let slot = slots[index]
+                    .take()
+                    .expect("a reply in progress is in flight");
+                free.push(index);
+                in_flight -= 1;
+                if arrived >= count_from && arrived < stop_at {
+                    counted += 1;
+                    latency_sum += arrived - slot.sent;
+                }
+                continue;
+            }
+            if filled - at < SIMPLE_REPLY_LEN {
+                break;
+            }
+            // An error reply is the header alone; a read's reply carries its data.
+            let reply = &inbuf[at..at + SIMPLE_REPLY_LEN];
             let magic = u32::from_be_bytes(reply[0..4].try_into().expect("4 bytes"));
             let error = u32::from_be_bytes(reply[4..8].try_into().expect("4 bytes"));
             let cookie = u64::from_be_bytes(reply[8..16].try_into().expect("8 bytes"));
@@ -240,23 +266,15 @@ pub fn run(stream: &mut TcpStream, size: u64, spec: &LoadSpec) -> Result<LoadRep
                 let offset = slots[index].map_or(0, |slot| slot.offset);
                 return Err(LoadError::ReadFailed { offset, error });
             }
-            if filled - parsed < reply_len {
-                break;
-            }
-            let slot = slots[index].take().expect("checked in flight");
-            parsed += reply_len;
-            free.push(index);
-            in_flight -= 1;
-            if arrived >= count_from && arrived < stop_at {
-                counted += 1;
-                latency_sum += arrived - slot.sent;
-            }
+            at += SIMPLE_REPLY_LEN;
+            receiving = Some((index, spec.block as usize));
         }
+        inbuf.copy_within(at..filled, 0);
+        held = filled - at;
     }
-    let seconds = spec.duration.as_secs_f64();
     Ok(LoadReport {
         requests: counted,
-        seconds,
+        seconds: spec.duration.as_secs_f64(),
         mean_latency_us: if counted == 0 {
             0.0
         } else {
@@ -264,6 +282,10 @@ pub fn run(stream: &mut TcpStream, size: u64, spec: &LoadSpec) -> Result<LoadRep
         },
     })
 }
+
+/// Bytes received per read: room for a round of 4 KiB replies at depth 256, and a size that
+/// stays in cache while large replies stream through it.
+const RECEIVE_BUFFER: usize = 1 << 20;
 
 #[cfg(test)]
 mod tests {
@@ -275,6 +297,8 @@ mod tests {
             state: 7,
             blocks: 1000,
             block: 4096,
+            sequential: false,
+            next_block: 0,
         };
         let mut seen = std::collections::HashSet::new();
         for _ in 0..10_000 {
@@ -286,6 +310,19 @@ mod tests {
         assert!(seen.len() > 900, "offsets should cover the export");
     }
 
+    #[test]
+    fn sequential_offsets_follow_each_other_and_wrap_at_the_end() {
+        let mut offsets = Offsets {
+            state: 7,
+            blocks: 3,
+            block: 1 << 20,
+            sequential: true,
+            next_block: 0,
+        };
+        let seen: Vec<u64> = (0..5).map(|_| offsets.next() >> 20).collect();
+        assert_eq!(seen, [0, 1, 2, 0, 1]);
+    }
+
     /// `depth` reads of `block` bytes counted for `millis`, with no ramp.
     fn spec(depth: usize, block: u32, millis: u64) -> LoadSpec {
         LoadSpec {
@@ -294,6 +331,7 @@ mod tests {
             duration: Duration::from_millis(millis),
             ramp: Duration::ZERO,
             seed: 3,
+            sequential: false,
         }
     }
 
@@ -350,7 +388,7 @@ mod tests {
                 ramp: Duration::from_millis(50),
                 ..spec(depth, 4096, 200)
             };
-            let report = random_reads(&addr, &spec).expect("the run succeeds");
+            let report = reads(&addr, &spec).expect("the run succeeds");
             assert!(report.requests > 100, "depth {depth}: {report:?}");
             assert!(report.mean_latency_us > 0.0, "depth {depth}: {report:?}");
         }
@@ -359,10 +397,13 @@ mod tests {
     }
 
     #[test]
-    fn reads_larger_than_the_receive_buffer_s_cap_are_read_whole() {
+    fn reads_larger_than_the_receive_buffer_stream_through_it() {
         let (addr, stop, thread) = memory_server(32 << 20);
-        let spec = spec(2, 8 << 20, 200);
-        let report = random_reads(&addr, &spec).expect("the run succeeds");
+        let spec = LoadSpec {
+            sequential: true,
+            ..spec(2, 8 << 20, 200)
+        };
+        let report = reads(&addr, &spec).expect("the run succeeds");
         assert!(report.requests > 0, "{report:?}");
         stop.send(()).unwrap();
         thread.join().unwrap();
@@ -414,7 +455,7 @@ mod tests {
         });
         let spec = spec(1, 4096, 100);
         let started = Instant::now();
-        let error = random_reads(&addr, &spec).unwrap_err();
+        let error = reads(&addr, &spec).unwrap_err();
         assert!(
             matches!(error, LoadError::ReadFailed { error: 5, .. }),
             "{error}"
@@ -429,7 +470,7 @@ mod tests {
             socket.write_all(b"SSH-2.0-OpenSSH_9.2 hello\r\n").unwrap();
         });
         let spec = spec(1, 4096, 10);
-        let error = random_reads(&addr, &spec).unwrap_err();
+        let error = reads(&addr, &spec).unwrap_err();
         assert!(matches!(error, LoadError::Protocol(_)), "{error}");
         server.join().unwrap();
     }

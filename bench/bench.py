@@ -258,8 +258,8 @@ def run_fio(job_args, target, runtime, out_path):
 
 
 def run_load(job_args, port, runtime):
-    """Runs the load generator (random 4 KiB reads, simple replies) against a server, after a
-    1 s ramp as fio's runs have; the same fields as run_fio."""
+    """Runs the load generator (reads as `job_args` say, simple replies) against a server, after
+    a 1 s ramp as fio's runs have; the same fields as run_fio."""
     argv = [NBD_LOAD, f"--address=127.0.0.1:{port}", f"--runtime={runtime}", "--ramp=1", *job_args]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=runtime + 60)
     if proc.returncode != 0:

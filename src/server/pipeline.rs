@@ -73,7 +73,7 @@ pub const MAX_QUEUED_REPLIES: usize = 16 * 1024;
 /// gave 2.7–3.1 GB/s for 32 MiB reads and 4.1 GB/s for 4 MiB reads, 512 KiB pieces
 /// 3.8–4.0 and 5.1–5.7; 256 KiB and 1 MiB did no better.
 pub const STREAM_PIECE: u32 = 512 * 1024;
-/// The most pieces of [`STREAM_PIECE`] a read with a simple reply may hold in pipes at once.
+/// The most pipes (pieces of at most [`STREAM_PIECE`]) a read with a simple reply may fill.
 /// A simple reply cannot be cut into chunks, and a read error must come before the data, so
 /// such a read is spliced only when all of it is in pipes before its header goes out. Eight
 /// (4 MiB) keeps iodepth 8 within a quarter of the pipes (`splice::MAX_PIPES`); longer reads
@@ -643,18 +643,16 @@ impl Pipeline {
     /// with the first part, and the others follow it with no header of their own.
     fn queue_spliced_simple_reply(&mut self, enc: ReplyEncoder, offset: u64, parts: Vec<Spliced>) {
         for (index, part) in parts.into_iter().enumerate() {
-            let release = part.len() as u64;
-            let reply = if index == 0 {
-                spliced_reply(enc, offset, part, true, release)
-            } else {
-                Outgoing {
-                    header: ReplyHeader::new(),
-                    data: None,
-                    spliced: Some(part),
-                    release,
-                }
-            };
-            self.outq.push_back(reply);
+            let mut header = ReplyHeader::new();
+            if index == 0 {
+                enc.data_header(&mut header, offset, part.len() as u64, true);
+            }
+            self.outq.push_back(Outgoing {
+                header,
+                data: None,
+                release: part.len() as u64,
+                spliced: Some(part),
+            });
         }
     }
 

@@ -649,6 +649,11 @@ impl Backend for FileBackend {
         super::splice::splice_cached(&self.file, offset, length)
     }
 
+    fn all_cached(&self, offset: u64, length: u64) -> bool {
+        self.cache == CacheMode::Writeback
+            && super::splice::cached(&self.file, offset, length) == Some(true)
+    }
+
     fn write(&self, offset: u64, data: Bytes, fua: bool) -> BackendFuture<'_, ()> {
         Box::pin(async move {
             if let Some(done) = self.write_inline(offset, &data, fua) {

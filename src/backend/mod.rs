@@ -425,6 +425,14 @@ pub trait Backend: Send + Sync + 'static {
     fn read_to_pipe(&self, _offset: u64, _length: usize) -> Option<splice::Spliced> {
         None
     }
+    /// Whether every byte of `[offset, offset + length)` is in the page cache now, so that
+    /// [`Backend::read_to_pipe`] can be expected to take each piece of it and a read of it
+    /// cannot fail for want of the device. A reply that must commit to its data before all
+    /// of it is read (a long read with a simple reply, see the pipeline) asks this first.
+    /// False when the backend cannot tell.
+    fn all_cached(&self, _offset: u64, _length: u64) -> bool {
+        false
+    }
     /// Whether most requests complete through a device's io_uring ring (direct I/O),
     /// whose completions a reaper task hands out. A server that runs connections on
     /// threads of their own keeps these on its shared runtime instead, where an idle

@@ -216,7 +216,7 @@ pub struct Cachestat {
 
 /// Whether every page of `[offset, offset + length)` is in the page cache; `None` when the
 /// kernel cannot say (no `cachestat`, before Linux 6.5).
-fn cached(file: &File, offset: u64, length: u64) -> Option<bool> {
+pub fn cached(file: &File, offset: u64, length: u64) -> Option<bool> {
     let page = rustix::param::page_size() as u64;
     let pages = (offset + length).div_ceil(page) - offset / page;
     Some(cachestat(file, offset, length)?.nr_cache >= pages)

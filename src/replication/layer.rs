@@ -1017,6 +1017,10 @@ impl Backend for ReplicatedBackend {
         self.shared.local.read_to_pipe(offset, length)
     }
 
+    fn all_cached(&self, offset: u64, length: u64) -> bool {
+        self.shared.local.all_cached(offset, length)
+    }
+
     fn write(&self, offset: u64, data: Bytes, fua: bool) -> BackendFuture<'_, ()> {
         Box::pin(async move {
             let length = data.len() as u64;

@@ -55,7 +55,7 @@ use super::handshake::Negotiated;
 use super::validate::{validate, Command, Limits};
 use super::Stream;
 use crate::backend::splice::Spliced;
-use crate::backend::{Backend, BackendError, Pieces, ReadData, ZeroFlags};
+use crate::backend::{Backend, BackendError, BackendFuture, Pieces, ReadData, ZeroFlags};
 use crate::buffer::{Buffer, MIN_POOLED};
 use crate::wire::transmission::{ReplyEncoder, ReplyStyle, RequestHeader, RequestStyle};
 use crate::wire::{cmd, NbdError, BASE_ALLOCATION_ID, MAX_PAYLOAD};
@@ -73,16 +73,6 @@ pub const MAX_QUEUED_REPLIES: usize = 16 * 1024;
 /// gave 2.7–3.1 GB/s for 32 MiB reads and 4.1 GB/s for 4 MiB reads, 512 KiB pieces
 /// 3.8–4.0 and 5.1–5.7; 256 KiB and 1 MiB did no better.
 pub const STREAM_PIECE: u32 = 512 * 1024;
-/// The most pipes (pieces of at most [`STREAM_PIECE`]) a read with a simple reply may fill.
-/// A simple reply cannot be cut into chunks, and a read error must come before the data, so
-/// such a read is spliced only when all of it is in pipes before its header goes out. Eight
-/// (4 MiB) keeps iodepth 8 within a quarter of the pipes (`splice::MAX_PIPES`); longer reads
-/// are copied through a pooled buffer. Measured with `examples/nbd-load.rs` (simple replies,
-/// as the Linux kernel client uses), sequential reads of a cached file at iodepth 8, the
-/// builds alternating twice: 768 KiB 3.4–3.5 → 5.5–5.6 GB/s, 1 MiB 2.9–3.6 → 5.3–5.6, 4 MiB
-/// 3.4–3.5 → 5.5–5.7, with the server's CPU going from 99% of a core to 26–30%; 16 MiB
-/// (copied either way) 2.9 GB/s.
-pub const SIMPLE_SPLICE_PIECES: u32 = 8;
 /// Writes longer than this go to the backend a piece at a time as their payload arrives,
 /// and the reply follows the last piece. Measured on the memory export with fio at QD8,
 /// alternating runs: 32 MiB writes 3.9–4.0 GB/s whole, 4.1–4.7 in 512 KiB pieces, 4.8 in
@@ -124,7 +114,18 @@ struct Outgoing {
     header: ReplyHeader,
     data: Option<Pieces>,
     spliced: Option<Spliced>,
+    /// Data still to be read, when the socket reaches it (into `spliced` or `data`).
+    later: Option<Box<LaterPiece>>,
     release: u64,
+}
+
+/// A piece of a long read with a simple reply, read only when the socket has taken all
+/// that goes before it: spliced into a pipe if it can be, else read by copying while the
+/// messages behind it wait (see `Pipeline::stream_simple_reply`).
+struct LaterPiece {
+    offset: u64,
+    length: u32,
+    reading: Option<BackendFuture<'static, ReadData>>,
 }
 
 impl Outgoing {
@@ -134,16 +135,24 @@ impl Outgoing {
             header,
             data,
             spliced: None,
+            later: None,
             release,
         }
     }
 
     fn data_len(&self) -> usize {
-        match (&self.data, &self.spliced) {
-            (Some(data), _) => data.len(),
-            (None, Some(spliced)) => spliced.len(),
-            (None, None) => 0,
+        match (&self.data, &self.spliced, &self.later) {
+            (Some(data), _, _) => data.len(),
+            (None, Some(spliced), _) => spliced.len(),
+            (None, None, Some(later)) => later.length as usize,
+            (None, None, None) => 0,
         }
+    }
+
+    /// Whether the message's data is not in memory: it waits in a pipe or is still to be
+    /// read, so a vectored write ends after the message's header.
+    fn data_apart(&self) -> bool {
+        self.spliced.is_some() || self.later.is_some()
     }
 }
 
@@ -619,41 +628,57 @@ impl Pipeline {
         }));
     }
 
-    /// A read too long for one pipe, put into several, when every piece can be
-    /// ([`Self::read_to_pipe`]) and it takes at most [`SIMPLE_SPLICE_PIECES`]; `None`
-    /// otherwise (pipes already filled are closed). The pieces are of equal length, whole
-    /// pages but the last, and at most [`STREAM_PIECE`]: a short last piece would be below
-    /// what a backend splices, and the whole read would be copied.
-    fn read_to_pipes(&self, offset: u64, length: u32) -> Option<Vec<Spliced>> {
+    /// A read too long for one pipe, with a simple reply, when all of it is in the page
+    /// cache ([`Backend::all_cached`]): its first piece is spliced now and goes out behind
+    /// the reply's header, and each of the others is spliced only when the socket has taken
+    /// everything before it ([`LaterPiece`]), so the read holds one pipe at a time however
+    /// long it is. Returns false, with nothing queued, when the read is to be copied.
+    ///
+    /// A simple reply cannot be cut into chunks, and its error must come before its data:
+    /// the cache check is what lets the header go out first. Should a later piece fail to
+    /// read after all (its pages evicted meanwhile, then a device error), the connection
+    /// is closed, as nothing else could tell the client. The pieces are of equal length,
+    /// whole pages but the last, and at most [`STREAM_PIECE`]: a short last piece would be
+    /// below what a backend splices.
+    ///
+    /// Measured with `examples/nbd-load.rs` (simple replies, as the Linux kernel client
+    /// uses), sequential reads of a cached file at iodepth 8: see ARCHITECTURE.md, "Cached
+    /// file reads leave without a copy".
+    fn stream_simple_reply(&mut self, enc: ReplyEncoder, offset: u64, length: u32) -> bool {
+        if !self.splice || !self.backend.all_cached(offset, u64::from(length)) {
+            return false;
+        }
         let pieces = length.div_ceil(STREAM_PIECE);
-        if !(2..=SIMPLE_SPLICE_PIECES).contains(&pieces) {
-            return None;
-        }
         let piece = length.div_ceil(pieces).next_multiple_of(4096);
-        (0..pieces)
-            .map(|index| {
-                let start = index * piece;
-                let len = (length - start).min(piece);
-                self.read_to_pipe(offset + u64::from(start), len)
-            })
-            .collect()
-    }
-
-    /// Queues one simple reply whose data waits in `parts`, in order: the header goes out
-    /// with the first part, and the others follow it with no header of their own.
-    fn queue_spliced_simple_reply(&mut self, enc: ReplyEncoder, offset: u64, parts: Vec<Spliced>) {
-        for (index, part) in parts.into_iter().enumerate() {
-            let mut header = ReplyHeader::new();
-            if index == 0 {
-                enc.data_header(&mut header, offset, part.len() as u64, true);
-            }
+        let Some(first) = self.read_to_pipe(offset, piece) else {
+            return false;
+        };
+        let mut header = ReplyHeader::new();
+        enc.data_header(&mut header, offset, u64::from(length), true);
+        self.outq.push_back(Outgoing {
+            header,
+            data: None,
+            spliced: Some(first),
+            later: None,
+            release: u64::from(piece),
+        });
+        let mut start = piece;
+        while start < length {
+            let len = (length - start).min(piece);
             self.outq.push_back(Outgoing {
-                header,
+                header: ReplyHeader::new(),
                 data: None,
-                release: part.len() as u64,
-                spliced: Some(part),
+                spliced: None,
+                later: Some(Box::new(LaterPiece {
+                    offset: offset + u64::from(start),
+                    length: len,
+                    reading: None,
+                })),
+                release: u64::from(len),
             });
+            start += piece;
         }
+        true
     }
 
     /// The data of a read put into a pipe for the socket to take without a copy, when the
@@ -746,11 +771,12 @@ impl Pipeline {
                         self.outq.push_back(reply);
                         return;
                     }
-                    if self.reply_style == ReplyStyle::Simple && !df {
-                        if let Some(parts) = self.read_to_pipes(offset, length) {
-                            self.queue_spliced_simple_reply(enc, offset, parts);
-                            return;
-                        }
+                    if self.reply_style == ReplyStyle::Simple
+                        && !df
+                        && length > STREAM_PIECE
+                        && self.stream_simple_reply(enc, offset, length)
+                    {
+                        return;
                     }
                     let part = ReadPart {
                         enc,
@@ -871,6 +897,14 @@ impl Pipeline {
     ) -> Poll<std::io::Result<bool>> {
         let mut wrote = false;
         while let Some(front) = self.outq.front_mut() {
+            if front.later.is_some() && self.front_written >= front.header.len() {
+                match poll_later_piece(&self.backend, self.splice, front, cx) {
+                    Poll::Ready(Ok(())) => continue,
+                    Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                    Poll::Pending if wrote => return Poll::Ready(Ok(true)),
+                    Poll::Pending => return Poll::Pending,
+                }
+            }
             if front.spliced.is_some() && self.front_written >= front.header.len() {
                 let Some(spliced) = front.spliced.as_mut() else {
                     unreachable!("checked above")
@@ -909,9 +943,10 @@ impl Pipeline {
             // Headers and data pieces in order, as many as one `writev` takes; a message
             // whose data waits in a pipe ends the batch after its header.
             'gather: for message in &self.outq {
-                let pieces = match (&message.spliced, &message.data) {
-                    (Some(_), _) => None,
-                    (None, data) => data.as_ref().map(Pieces::slices),
+                let pieces = if message.data_apart() {
+                    None
+                } else {
+                    message.data.as_ref().map(Pieces::slices)
                 };
                 for part in std::iter::once(&message.header[..]).chain(pieces.into_iter().flatten())
                 {
@@ -925,7 +960,7 @@ impl Pipeline {
                         break 'gather;
                     }
                 }
-                if message.spliced.is_some() {
+                if message.data_apart() {
                     splice_follows = true;
                     break;
                 }
@@ -1645,6 +1680,46 @@ async fn read_piece(
     out
 }
 
+/// Makes a [`LaterPiece`] at the front of the queue ready to send: spliced into a pipe
+/// when it can be, else read by copying (`Pending` until that read completes). A failed
+/// read is an error for the connection: the reply's header, saying there was none, is out.
+fn poll_later_piece(
+    backend: &Arc<dyn Backend>,
+    splice: bool,
+    message: &mut Outgoing,
+    cx: &mut Context<'_>,
+) -> Poll<std::io::Result<()>> {
+    let later = message.later.as_mut().expect("called for a later piece");
+    if later.reading.is_none() {
+        if let Some(spliced) = splice
+            .then(|| backend.read_to_pipe(later.offset, later.length as usize))
+            .flatten()
+        {
+            message.spliced = Some(spliced);
+            message.later = None;
+            return Poll::Ready(Ok(()));
+        }
+        let backend = Arc::clone(backend);
+        let (offset, length) = (later.offset, later.length as usize);
+        later.reading = Some(Box::pin(async move { backend.read(offset, length).await }));
+    }
+    let reading = later.reading.as_mut().expect("started above");
+    match reading.as_mut().poll(cx) {
+        Poll::Pending => Poll::Pending,
+        Poll::Ready(Ok(read)) => {
+            message.data = Some(read.data);
+            message.later = None;
+            Poll::Ready(Ok(()))
+        }
+        Poll::Ready(Err(e)) => {
+            warn!("{e}: after the reply's header was sent; closing the connection");
+            Poll::Ready(Err(std::io::Error::other(format!(
+                "a read failed after its reply's header was sent: {e}"
+            ))))
+        }
+    }
+}
+
 /// A data reply (or chunk, marked final when `done`) whose data waits in a pipe.
 fn spliced_reply(
     enc: ReplyEncoder,
@@ -1659,6 +1734,7 @@ fn spliced_reply(
         header,
         data: None,
         spliced: Some(spliced),
+        later: None,
         release,
     }
 }
@@ -1912,9 +1988,11 @@ mod tests {
 
     /// An export (memory unless said otherwise) that counts the reads, spliced reads,
     /// writes and inline writes it is asked for, and fails a write that starts at
-    /// `fail_write_at`. Reads at once ([`Backend::read_at_once`]) are passed on only
-    /// when `at_once` is set, and counted among the reads. With `trim_unsupported`, a
-    /// TRIM fails as a file system without hole punching fails it (EOPNOTSUPP).
+    /// `fail_write_at` and a read that starts at `fail_read_at`. Reads at once
+    /// ([`Backend::read_at_once`]) are passed on only when `at_once` is set, and counted
+    /// among the reads. With `trim_unsupported`, a TRIM fails as a file system without hole
+    /// punching fails it (EOPNOTSUPP). After `splices_allowed` spliced reads, no more are
+    /// (as when the pages were evicted or the pipes ran out).
     struct CountingReads<B = MemoryBackend> {
         inner: B,
         at_once: bool,
@@ -1925,7 +2003,9 @@ mod tests {
         writes: std::sync::atomic::AtomicUsize,
         inline_writes: std::sync::atomic::AtomicUsize,
         fail_write_at: Option<u64>,
+        fail_read_at: Option<u64>,
         trim_unsupported: bool,
+        splices_allowed: usize,
     }
 
     impl CountingReads {
@@ -1945,7 +2025,9 @@ mod tests {
                 writes: Default::default(),
                 inline_writes: Default::default(),
                 fail_write_at,
+                fail_read_at: None,
                 trim_unsupported: false,
+                splices_allowed: usize::MAX,
             }
         }
 
@@ -1966,6 +2048,10 @@ mod tests {
         }
         fn read(&self, offset: u64, length: usize) -> crate::backend::BackendFuture<'_, ReadData> {
             self.reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            if self.fail_read_at == Some(offset) {
+                let error = BackendError::plain("read", offset, length as u64, NbdError::Io);
+                return Box::pin(std::future::ready(Err(error)));
+            }
             self.inner.read(offset, length)
         }
         fn read_declined(
@@ -1991,10 +2077,16 @@ mod tests {
             Some(read)
         }
         fn read_to_pipe(&self, offset: u64, length: usize) -> Option<Spliced> {
+            let count = &self.spliced;
+            if count.load(std::sync::atomic::Ordering::SeqCst) >= self.splices_allowed {
+                return None;
+            }
             let spliced = self.inner.read_to_pipe(offset, length)?;
-            self.spliced
-                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             Some(spliced)
+        }
+        fn all_cached(&self, offset: u64, length: u64) -> bool {
+            self.inner.all_cached(offset, length)
         }
         fn write(
             &self,
@@ -2718,23 +2810,22 @@ mod tests {
         }
     }
 
-    /// With simple replies, a cached read too long for one pipe leaves through several
-    /// when it fits [`SIMPLE_SPLICE_PIECES`], else it is copied; replies of several reads in
-    /// flight stay whole and in step, and every byte matches.
+    /// With simple replies, a cached read too long for one pipe leaves through several,
+    /// each spliced as the socket reaches it, however long the read; replies of several
+    /// reads in flight stay whole and in step, and every byte matches.
     #[tokio::test]
-    async fn long_simple_reply_reads_are_spliced_through_several_pipes_byte_for_byte() {
+    async fn long_simple_reply_reads_are_spliced_a_piece_at_a_time_byte_for_byte() {
         let (tmp, pattern, backend) = counted_file_export(16 << 20, 11, 241);
         let (client, server) = tokio::net::UnixStream::pair().unwrap();
         let mut client = serve_and_negotiate_as(backend.clone(), client, server, false).await;
         let piece = u64::from(STREAM_PIECE);
-        let longest = u64::from(SIMPLE_SPLICE_PIECES) * piece;
-        // (cookie, offset, length): three pieces, the longest spliced read, one piece too
-        // many (copied), and one pipe's worth; all sent before any reply is read.
+        // (cookie, offset, length): three pieces, 4 MiB, 8 MiB and a byte (17 pieces), and
+        // one pipe's worth; all sent before any reply is read.
         let reads = [
             (1u64, 4097u64, 2 * piece + 12_345),
-            (2, 1 << 20, longest),
-            (3, 6 << 20, longest + 1),
-            (4, 12 << 20, piece),
+            (2, 1 << 20, 4 << 20),
+            (3, 6 << 20, (8 << 20) + 1),
+            (4, 15 << 20, piece),
         ];
         for &(cookie, offset, length) in &reads {
             client
@@ -2743,27 +2834,87 @@ mod tests {
                 .unwrap();
         }
         for _ in 0..reads.len() {
-            let header = read_exactly(&mut client, 16).await;
-            let Some((DecodedReply::Simple { error, cookie }, 16)) =
-                DecodedReply::decode(&header).unwrap()
-            else {
-                panic!("not a simple reply: {header:?}");
-            };
-            assert_eq!(error, 0, "cookie {cookie}");
+            let (cookie, data) = read_simple_reply(&mut client, &reads).await;
             let &(_, offset, length) = reads.iter().find(|r| r.0 == cookie).unwrap();
-            let data = read_exactly(&mut client, length as usize).await;
             assert!(
-                data[..] == pattern[offset as usize..(offset + length) as usize],
+                data.unwrap()[..] == pattern[offset as usize..(offset + length) as usize],
                 "cookie {cookie}: wrong bytes"
             );
         }
         let probe = std::fs::File::open(tmp.path()).unwrap();
         if crate::backend::splice::splice_cached(&probe, 0, 65536).is_some() {
             let spliced = backend.spliced.load(std::sync::atomic::Ordering::SeqCst);
-            // 3 + 8 pieces + 1 whole read; the read one piece too long is copied. The
-            // first read's pieces are of equal length: a 12,345-byte last piece would be
-            // too short to splice, and the read would be copied.
-            assert_eq!(spliced, 3 + 8 + 1, "pieces that went through a pipe");
+            // The first read's pieces are of equal length: a 12,345-byte last piece would
+            // be too short to splice, and would be copied.
+            assert_eq!(spliced, 3 + 8 + 17 + 1, "pieces that went through a pipe");
+            assert_eq!(backend.reads.load(std::sync::atomic::Ordering::SeqCst), 0);
+        }
+    }
+
+    /// One simple reply from the client's side: its cookie, and its data (`length` of the
+    /// read with that cookie in `reads`), or `None` when the connection ends before all of
+    /// it came. Panics on an error reply.
+    async fn read_simple_reply(
+        client: &mut tokio::net::UnixStream,
+        reads: &[(u64, u64, u64)],
+    ) -> (u64, Option<Vec<u8>>) {
+        let header = read_exactly(client, 16).await;
+        let Some((DecodedReply::Simple { error, cookie }, 16)) =
+            DecodedReply::decode(&header).unwrap()
+        else {
+            panic!("not a simple reply: {header:?}");
+        };
+        assert_eq!(error, 0, "cookie {cookie}");
+        let length = reads.iter().find(|r| r.0 == cookie).unwrap().2 as usize;
+        let mut data = vec![0u8; length];
+        let mut filled = 0;
+        while filled < length {
+            match client.read(&mut data[filled..]).await.unwrap() {
+                0 => return (cookie, None),
+                n => filled += n,
+            }
+        }
+        (cookie, Some(data))
+    }
+
+    /// A piece of a long simple-reply read that can no longer be spliced when the socket
+    /// reaches it (evicted, or no pipe free) is read by copying, in its place; one whose
+    /// read then fails closes the connection, since its reply's header is already out and
+    /// said there was no error, and the client sees the reply cut short.
+    #[tokio::test]
+    async fn pieces_of_a_long_simple_reply_that_cannot_be_spliced_are_copied_or_end_the_connection()
+    {
+        let piece = u64::from(STREAM_PIECE);
+        for fail in [false, true] {
+            let (tmp, pattern, backend) = counted_file_export(4 << 20, 7, 251);
+            let probe = std::fs::File::open(tmp.path()).unwrap();
+            if crate::backend::splice::splice_cached(&probe, 0, 65536).is_none() {
+                return; // nothing is spliced on this kernel: the path cannot be taken
+            }
+            let mut backend = Arc::into_inner(backend).unwrap();
+            backend.splices_allowed = 2;
+            backend.fail_read_at = fail.then_some(3 * piece);
+            let backend = Arc::new(backend);
+            let (client, server) = tokio::net::UnixStream::pair().unwrap();
+            let mut client = serve_and_negotiate_as(backend.clone(), client, server, false).await;
+            let reads = [(1u64, 0u64, 4 * piece)];
+            client
+                .write_all(&request(cmd::READ, 0, 1, 0, 4 * piece))
+                .await
+                .unwrap();
+            let (_, data) = read_simple_reply(&mut client, &reads).await;
+            assert_eq!(backend.spliced.load(std::sync::atomic::Ordering::SeqCst), 2);
+            if fail {
+                assert!(
+                    data.is_none(),
+                    "a reply whose data failed must be cut short"
+                );
+                let mut rest = Vec::new();
+                assert_eq!(client.read_to_end(&mut rest).await.unwrap(), 0);
+            } else {
+                assert!(data.unwrap()[..] == pattern[..4 * piece as usize]);
+                assert_eq!(backend.reads.load(std::sync::atomic::Ordering::SeqCst), 2);
+            }
         }
     }
 

@@ -119,12 +119,15 @@ struct Outgoing {
     release: u64,
 }
 
-/// A piece of a long read with a simple reply, read only when the socket has taken all
-/// that goes before it: spliced into a pipe if it can be, else read by copying while the
-/// messages behind it wait (see `Pipeline::stream_simple_reply`).
+/// A piece of a long read of cached data, read only when the socket has taken all that
+/// goes before it: spliced into a pipe if it can be, else read by copying while the
+/// messages behind it wait (see `Pipeline::stream_cached_read`).
 struct LaterPiece {
     offset: u64,
     length: u32,
+    /// With structured replies, the piece is a chunk of its own, whose header is written
+    /// once its data is ready; with a simple reply it has no header.
+    chunk: Option<ReplyEncoder>,
     reading: Option<BackendFuture<'static, ReadData>>,
 }
 
@@ -628,33 +631,36 @@ impl Pipeline {
         }));
     }
 
-    /// A read too long for one pipe, with a simple reply, when all of it is in the page
-    /// cache ([`Backend::all_cached`]): its first piece is spliced now and goes out behind
-    /// the reply's header, and each of the others is spliced only when the socket has taken
-    /// everything before it ([`LaterPiece`]), so the read holds one pipe at a time however
-    /// long it is. Returns false, with nothing queued, when the read is to be copied.
+    /// A read too long for one pipe, when all of it is in the page cache
+    /// ([`Backend::all_cached`]): its first piece is spliced now and goes out behind its
+    /// header, and each of the others is spliced only when the socket has taken everything
+    /// before it ([`LaterPiece`]), so the read holds one pipe at a time however long it is.
+    /// With structured replies each piece is a chunk, and a final chunk follows them. Returns
+    /// false, with nothing queued, when the read is to be read whole or in pieces through
+    /// the backend instead.
     ///
     /// A simple reply cannot be cut into chunks, and its error must come before its data:
     /// the cache check is what lets the header go out first. Should a later piece fail to
     /// read after all (its pages evicted meanwhile, then a device error), the connection
-    /// is closed, as nothing else could tell the client. The pieces are of equal length,
+    /// is closed, as the reply has already said there was no error (for structured replies
+    /// too: their final chunk is queued with the pieces). The pieces are of equal length,
     /// whole pages but the last, and at most [`STREAM_PIECE`]: a short last piece would be
     /// below what a backend splices.
     ///
-    /// Measured with `examples/nbd-load.rs` (simple replies, as the Linux kernel client
-    /// uses), sequential reads of a cached file at iodepth 8: see ARCHITECTURE.md, "Cached
-    /// file reads leave without a copy".
-    fn stream_simple_reply(&mut self, enc: ReplyEncoder, offset: u64, length: u32) -> bool {
+    /// Measured reason: ARCHITECTURE.md, "Cached file reads leave without a copy".
+    fn stream_cached_read(&mut self, enc: ReplyEncoder, offset: u64, length: u32) -> bool {
         if !self.splice || !self.backend.all_cached(offset, u64::from(length)) {
             return false;
         }
+        let chunked = self.reply_style != ReplyStyle::Simple;
         let pieces = length.div_ceil(STREAM_PIECE);
         let piece = length.div_ceil(pieces).next_multiple_of(4096);
         let Some(first) = self.read_to_pipe(offset, piece) else {
             return false;
         };
         let mut header = ReplyHeader::new();
-        enc.data_header(&mut header, offset, u64::from(length), true);
+        let first_len = if chunked { piece } else { length };
+        enc.data_header(&mut header, offset, u64::from(first_len), !chunked);
         self.outq.push_back(Outgoing {
             header,
             data: None,
@@ -672,11 +678,17 @@ impl Pipeline {
                 later: Some(Box::new(LaterPiece {
                     offset: offset + u64::from(start),
                     length: len,
+                    chunk: chunked.then_some(enc),
                     reading: None,
                 })),
                 release: u64::from(len),
             });
             start += piece;
+        }
+        if chunked {
+            let mut done = ReplyHeader::new();
+            enc.ok(&mut done);
+            self.outq.push_back(Outgoing::new(done, None, 0));
         }
         true
     }
@@ -764,18 +776,14 @@ impl Pipeline {
                     self.outq.push_back(status_message(enc, Ok(()), 0));
                     return;
                 }
+                if !df && length > STREAM_PIECE && self.stream_cached_read(enc, offset, length) {
+                    return;
+                }
                 if pieces == 1 {
                     if let Some(spliced) = self.read_to_pipe(offset, length) {
                         // In the pipe already: the reply is ready as it is parsed.
                         let reply = spliced_reply(enc, offset, spliced, true, u64::from(length));
                         self.outq.push_back(reply);
-                        return;
-                    }
-                    if self.reply_style == ReplyStyle::Simple
-                        && !df
-                        && length > STREAM_PIECE
-                        && self.stream_simple_reply(enc, offset, length)
-                    {
                         return;
                     }
                     let part = ReadPart {
@@ -1690,11 +1698,18 @@ fn poll_later_piece(
     cx: &mut Context<'_>,
 ) -> Poll<std::io::Result<()>> {
     let later = message.later.as_mut().expect("called for a later piece");
+    // A chunk's header, once its data is ready (nothing of this message has gone yet).
+    let chunk_header = |later: &LaterPiece, header: &mut ReplyHeader| {
+        if let Some(enc) = later.chunk {
+            enc.data_header(header, later.offset, u64::from(later.length), false);
+        }
+    };
     if later.reading.is_none() {
         if let Some(spliced) = splice
             .then(|| backend.read_to_pipe(later.offset, later.length as usize))
             .flatten()
         {
+            chunk_header(later, &mut message.header);
             message.spliced = Some(spliced);
             message.later = None;
             return Poll::Ready(Ok(()));
@@ -1707,6 +1722,7 @@ fn poll_later_piece(
     match reading.as_mut().poll(cx) {
         Poll::Pending => Poll::Pending,
         Poll::Ready(Ok(read)) => {
+            chunk_header(later, &mut message.header);
             message.data = Some(read.data);
             message.later = None;
             Poll::Ready(Ok(()))
@@ -2804,9 +2820,10 @@ mod tests {
         )
         .is_some()
         {
-            // 1 + 3 of the 4 pieces + 1 + 1: the streamed read's last piece (4097 bytes)
-            // and the 4 KiB read are too small to be worth a pipe, and are copied.
-            assert_eq!(spliced, 6, "reads that went through a pipe");
+            // 1 + 4 pieces of equal length + 1 + 1: the 4 KiB read is too small to be
+            // worth a pipe, and is copied.
+            assert_eq!(spliced, 7, "reads that went through a pipe");
+            assert_eq!(backend.reads.load(std::sync::atomic::Ordering::SeqCst), 1);
         }
     }
 
@@ -2877,15 +2894,17 @@ mod tests {
         (cookie, Some(data))
     }
 
-    /// A piece of a long simple-reply read that can no longer be spliced when the socket
-    /// reaches it (evicted, or no pipe free) is read by copying, in its place; one whose
-    /// read then fails closes the connection, since its reply's header is already out and
-    /// said there was no error, and the client sees the reply cut short.
+    /// A piece of a long cached read that can no longer be spliced when the socket reaches
+    /// it (evicted, or no pipe free) is read by copying, in its place; one whose read then
+    /// fails closes the connection, since the reply already said there was no error (a
+    /// simple reply's header, or a structured reply's final chunk queued behind the
+    /// pieces), and the client sees the reply cut short. Both reply styles.
     #[tokio::test]
-    async fn pieces_of_a_long_simple_reply_that_cannot_be_spliced_are_copied_or_end_the_connection()
+    async fn pieces_of_a_long_cached_read_that_cannot_be_spliced_are_copied_or_end_the_connection()
     {
         let piece = u64::from(STREAM_PIECE);
-        for fail in [false, true] {
+        let length = 4 * piece;
+        for (structured, fail) in [(false, false), (false, true), (true, false), (true, true)] {
             let (tmp, pattern, backend) = counted_file_export(4 << 20, 7, 251);
             let probe = std::fs::File::open(tmp.path()).unwrap();
             if crate::backend::splice::splice_cached(&probe, 0, 65536).is_none() {
@@ -2896,24 +2915,57 @@ mod tests {
             backend.fail_read_at = fail.then_some(3 * piece);
             let backend = Arc::new(backend);
             let (client, server) = tokio::net::UnixStream::pair().unwrap();
-            let mut client = serve_and_negotiate_as(backend.clone(), client, server, false).await;
-            let reads = [(1u64, 0u64, 4 * piece)];
+            let mut client =
+                serve_and_negotiate_as(backend.clone(), client, server, structured).await;
             client
-                .write_all(&request(cmd::READ, 0, 1, 0, 4 * piece))
+                .write_all(&request(cmd::READ, 0, 1, 0, length))
                 .await
                 .unwrap();
-            let (_, data) = read_simple_reply(&mut client, &reads).await;
-            assert_eq!(backend.spliced.load(std::sync::atomic::Ordering::SeqCst), 2);
+            let case = format!("structured {structured}, failing {fail}");
             if fail {
+                let mut all = Vec::new();
+                client.read_to_end(&mut all).await.unwrap();
                 assert!(
-                    data.is_none(),
-                    "a reply whose data failed must be cut short"
+                    (all.len() as u64) < length,
+                    "{case}: the reply must be cut short"
                 );
-                let mut rest = Vec::new();
-                assert_eq!(client.read_to_end(&mut rest).await.unwrap(), 0);
+            } else if structured {
+                let mut data = vec![0u8; length as usize];
+                let mut covered = 0;
+                loop {
+                    let (flags, kind, cookie, payload) = read_chunk(&mut client).await;
+                    assert_eq!(cookie, 1);
+                    if kind == reply::TYPE_OFFSET_DATA {
+                        let at = u64::from_be_bytes(payload[..8].try_into().unwrap()) as usize;
+                        data[at..at + payload.len() - 8].copy_from_slice(&payload[8..]);
+                        covered += payload.len() - 8;
+                    } else {
+                        assert_eq!(kind, reply::TYPE_NONE, "{case}");
+                    }
+                    if flags & reply::FLAG_DONE != 0 {
+                        break;
+                    }
+                }
+                assert_eq!(covered as u64, length, "{case}");
+                assert!(
+                    data[..] == pattern[..length as usize],
+                    "{case}: wrong bytes"
+                );
             } else {
-                assert!(data.unwrap()[..] == pattern[..4 * piece as usize]);
-                assert_eq!(backend.reads.load(std::sync::atomic::Ordering::SeqCst), 2);
+                let (_, data) = read_simple_reply(&mut client, &[(1, 0, length)]).await;
+                assert!(data.unwrap()[..] == pattern[..length as usize], "{case}");
+            }
+            assert_eq!(
+                backend.spliced.load(std::sync::atomic::Ordering::SeqCst),
+                2,
+                "{case}"
+            );
+            if !fail {
+                assert_eq!(
+                    backend.reads.load(std::sync::atomic::Ordering::SeqCst),
+                    2,
+                    "{case}"
+                );
             }
         }
     }

@@ -37,7 +37,7 @@ enum Commands {
     /// Then: qemu-img info nbd://127.0.0.1:10809, nbdinfo nbd://127.0.0.1:10809,
     /// fio --ioengine=nbd --uri=nbd://127.0.0.1:10809 ...
     #[command(verbatim_doc_comment)]
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Show a replicated node's role, peers, out-of-sync amount and resync progress.
     /// Example: netblk status --config r0.toml --node alpha --json
     Status {
@@ -159,6 +159,13 @@ struct ServeArgs {
     #[arg(long, value_name = "NAME")]
     tcp_congestion: Option<String>,
 
+    /// Receive buffer of every TCP connection, clients and replication peers (sizes take K,
+    /// M, G suffixes); 0 leaves it to the kernel's autotuning. Past net.core.rmem_max only
+    /// with CAP_NET_ADMIN. Default 16M (why: ARCHITECTURE.md, data path).
+    /// Example: --tcp-receive-buffer 64M
+    #[arg(long, value_name = "SIZE")]
+    tcp_receive_buffer: Option<String>,
+
     /// Worker threads that serve connections (default: one per CPU). Example: --threads 2
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
     threads: Option<u16>,
@@ -178,7 +185,7 @@ fn main() -> std::process::ExitCode {
         )
         .init();
     let result = match cli.command {
-        Commands::Serve(args) => run_serve(args),
+        Commands::Serve(args) => run_serve(*args),
         Commands::Status {
             target,
             watch: true,
@@ -246,6 +253,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         }
     };
     let tcp = TcpSettings::choose(args.tcp_congestion.as_deref().or(congestion.as_deref()))?;
+    let tcp = receive_buffer(tcp, &args)?;
     if !args.listen.is_empty() {
         listen = args.listen.clone();
     }
@@ -331,6 +339,19 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
 }
 
 /// `netblk serve --config RESOURCE.toml --node NAME`: one node of a replicated export.
+/// `tcp` with the receive buffer `--tcp-receive-buffer` asks for, if it does.
+fn receive_buffer(tcp: TcpSettings, args: &ServeArgs) -> anyhow::Result<TcpSettings> {
+    let Some(text) = &args.tcp_receive_buffer else {
+        return Ok(tcp);
+    };
+    let bytes = parse_size(text).map_err(|e| anyhow::anyhow!("--tcp-receive-buffer {e}"))?;
+    let bytes = usize::try_from(bytes)
+        .ok()
+        .filter(|&b| b <= i32::MAX as usize)
+        .ok_or_else(|| anyhow::anyhow!("--tcp-receive-buffer {text}: at most 2G"))?;
+    Ok(tcp.with_receive_buffer(bytes))
+}
+
 fn run_replicated(args: &ServeArgs, path: &std::path::Path) -> anyhow::Result<()> {
     use netblk::replication::{config::ResourceConfig, node::Node};
     let resource = ResourceConfig::load(path)?;
@@ -344,7 +365,7 @@ fn run_replicated(args: &ServeArgs, path: &std::path::Path) -> anyhow::Result<()
         bail!("--listen does not apply to a resource file: each node's listen address is in it");
     }
     let handshake_timeout = args.handshake_timeout.unwrap_or(DEFAULT_HANDSHAKE_TIMEOUT);
-    let tcp = TcpSettings::choose(args.tcp_congestion.as_deref())?;
+    let tcp = receive_buffer(TcpSettings::choose(args.tcp_congestion.as_deref())?, args)?;
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
     if let Some(threads) = args.threads {
         runtime.worker_threads(usize::from(threads));

@@ -338,7 +338,6 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     })
 }
 
-/// `netblk serve --config RESOURCE.toml --node NAME`: one node of a replicated export.
 /// `tcp` with the receive buffer `--tcp-receive-buffer` asks for, if it does.
 fn receive_buffer(tcp: TcpSettings, args: &ServeArgs) -> anyhow::Result<TcpSettings> {
     let Some(text) = &args.tcp_receive_buffer else {
@@ -352,6 +351,7 @@ fn receive_buffer(tcp: TcpSettings, args: &ServeArgs) -> anyhow::Result<TcpSetti
     Ok(tcp.with_receive_buffer(bytes))
 }
 
+/// `netblk serve --config RESOURCE.toml --node NAME`: one node of a replicated export.
 fn run_replicated(args: &ServeArgs, path: &std::path::Path) -> anyhow::Result<()> {
     use netblk::replication::{config::ResourceConfig, node::Node};
     let resource = ResourceConfig::load(path)?;

@@ -214,7 +214,7 @@ def workloads():
     }
     # The curve for both backends: memory shows the server's own path, files add the disk.
     curve = mem + ["netblk-file", "nbdkit-file"]
-    for bs in ("4k", "64k", "256k", "1m", "4m", "32m"):
+    for bs in ("4k", *CURVE_SIZES):
         w[f"curve-read-{bs}"] = ([f"--rw=read", f"--bs={bs}", "--iodepth=8"], curve)
         w[f"curve-write-{bs}"] = ([f"--rw=write", f"--bs={bs}", "--iodepth=8"], curve)
     # The read curve again from the load generator, which consumes each reply's data as it
@@ -225,6 +225,7 @@ def workloads():
     return w
 
 
+# The sizes of the max-IO-size curve past 4 KiB (fio's curve adds 4 KiB).
 CURVE_SIZES = ("64k", "256k", "1m", "4m", "32m")
 
 
@@ -757,7 +758,7 @@ def write_report(args, selected, fs_selected, results, errors, rounds, runtime, 
         target(f"--cache=none {text} ≥ {int(l * 100)}% of local", r, r is not None and r >= l, f"{fmt(r * 100 if r else None)}%")
     figures = []
     for direction in ("read", "write"):
-        sizes = ["4k", "64k", "256k", "1m", "4m", "32m"]
+        sizes = ["4k", *CURVE_SIZES]
         series = {}
         for kind in ("mem", "file"):
             ours = [med(results, (f"curve-{direction}-{bs}", f"netblk-{kind}"), "mbps") for bs in sizes]

@@ -658,16 +658,9 @@ impl Pipeline {
         let Some(first) = self.read_to_pipe(offset, piece) else {
             return false;
         };
-        let mut header = ReplyHeader::new();
-        let first_len = if chunked { piece } else { length };
-        enc.data_header(&mut header, offset, u64::from(first_len), !chunked);
-        self.outq.push_back(Outgoing {
-            header,
-            data: None,
-            spliced: Some(first),
-            later: None,
-            release: u64::from(piece),
-        });
+        // A simple reply's header carries no length; a chunk's is the piece's.
+        let first = spliced_reply(enc, offset, first, !chunked, u64::from(piece));
+        self.outq.push_back(first);
         let mut start = piece;
         while start < length {
             let len = (length - start).min(piece);

@@ -73,7 +73,8 @@ pub struct Config {
     pub exports: Vec<ExportConfig>,
 }
 
-/// A configuration error that names the key at fault.
+/// An error in a configuration file (an export file or a replication resource file) that
+/// names the file and, once it parses, the key at fault.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read {path}: {source}")]
@@ -91,22 +92,34 @@ pub enum ConfigError {
     },
 }
 
+impl ConfigError {
+    /// The text of a configuration file, or the error that names it.
+    pub fn read_text(path: &Path) -> Result<String, ConfigError> {
+        std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })
+    }
+
+    /// A file that is not valid TOML for its kind; `origin` names it.
+    pub fn syntax(origin: &str, error: &toml::de::Error) -> ConfigError {
+        ConfigError::Syntax {
+            path: origin.to_string(),
+            message: error.to_string().trim_end().to_string(),
+        }
+    }
+}
+
 impl Config {
     /// Reads and checks a configuration file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.display().to_string(),
-            source,
-        })?;
+        let text = ConfigError::read_text(path)?;
         Config::parse(&text, &path.display().to_string())
     }
 
     /// Parses and checks configuration text; `origin` names it in errors.
     pub fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
-        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Syntax {
-            path: origin.to_string(),
-            message: e.to_string().trim_end().to_string(),
-        })?;
+        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::syntax(origin, &e))?;
         let invalid = |key: String, message: String| ConfigError::Invalid {
             path: origin.to_string(),
             key,

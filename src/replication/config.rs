@@ -31,6 +31,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::backend::{BackingSpec, CacheMode};
+use crate::config::ConfigError;
 use crate::listen::ListenAddr;
 use crate::size::parse_size;
 
@@ -122,24 +123,6 @@ pub struct ResourceConfig {
     pub nodes: Vec<NodeConfig>,
 }
 
-/// A resource-file error that names the key at fault.
-#[derive(Debug, thiserror::Error)]
-pub enum ResourceConfigError {
-    #[error("cannot read {path}: {source}")]
-    Read {
-        path: String,
-        source: std::io::Error,
-    },
-    #[error("{path}: {message}")]
-    Syntax { path: String, message: String },
-    #[error("{path}: {key}: {message}")]
-    Invalid {
-        path: String,
-        key: String,
-        message: String,
-    },
-}
-
 /// Whether configuration text is a resource file (has a `[resource]` table) rather than a
 /// plain export file. Text that is not TOML at all is not one.
 pub fn is_resource_file(text: &str) -> bool {
@@ -150,22 +133,16 @@ pub fn is_resource_file(text: &str) -> bool {
 
 impl ResourceConfig {
     /// Reads and checks a resource file.
-    pub fn load(path: &Path) -> Result<ResourceConfig, ResourceConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ResourceConfigError::Read {
-            path: path.display().to_string(),
-            source,
-        })?;
+    pub fn load(path: &Path) -> Result<ResourceConfig, ConfigError> {
+        let text = ConfigError::read_text(path)?;
         ResourceConfig::parse(&text, &path.display().to_string())
     }
 
     /// Parses and checks resource-file text; `origin` names it in errors.
-    pub fn parse(text: &str, origin: &str) -> Result<ResourceConfig, ResourceConfigError> {
+    pub fn parse(text: &str, origin: &str) -> Result<ResourceConfig, ConfigError> {
         let raw: RawResourceFile =
-            toml::from_str(text).map_err(|e| ResourceConfigError::Syntax {
-                path: origin.to_string(),
-                message: e.to_string().trim_end().to_string(),
-            })?;
-        let invalid = |key: &str, message: String| ResourceConfigError::Invalid {
+            toml::from_str(text).map_err(|e| ConfigError::syntax(origin, &e))?;
+        let invalid = |key: &str, message: String| ConfigError::Invalid {
             path: origin.to_string(),
             key: key.to_string(),
             message,

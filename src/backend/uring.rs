@@ -118,7 +118,7 @@ pub fn inlined() -> u64 {
 
 /// Runs `work` (which polls the one request a connection has in flight) with this thread's
 /// ring writes and syncs run as plain blocking system calls on this thread whenever they
-/// find the ring empty (see [`Ring::run_lone`] for why that may block a worker).
+/// find the ring empty (see `Ring::run_lone` for why that may block a worker).
 ///
 /// For a client that waits for each reply before it sends the next request (a database's
 /// write and fsync at queue depth 1), a request through the ring costs hand-offs between
@@ -422,7 +422,7 @@ impl Ring {
     }
 
     /// A ring for direct I/O: the same, and it holds entries back from a device that
-    /// completes in batches ([`DepthCap`]).
+    /// completes in batches (`DepthCap`).
     pub fn for_direct_io() -> io::Result<Arc<Ring>> {
         Ring::build(true)
     }

@@ -6,6 +6,7 @@
 
 mod coalesce;
 pub mod handshake;
+mod idle_spin;
 pub mod pipeline;
 pub mod validate;
 

@@ -241,20 +241,61 @@ def run_fio(job_args, target, runtime, out_path):
         argv += ["--ioengine=nbd", f"--uri={target}"]
     else:
         argv += ["--ioengine=io_uring", "--direct=1", f"--filename={target}"]
+    log_prefix = None
+    if any(a.startswith("--numjobs=") and a != "--numjobs=1" for a in job_args):
+        log_prefix = out_path + ".jobs"
+        argv += fio_window_args(log_prefix)
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=runtime + 120)
     if proc.returncode != 0:
         raise RuntimeError(f"fio failed: {proc.stderr.strip()[-300:]}")
     with open(out_path) as f:
         jobs = json.load(f)["jobs"]
-    return fio_totals(jobs)
+    return fio_totals(jobs, fio_job_windows(log_prefix, jobs) if log_prefix else None)
 
 
-def fio_totals(jobs):
+# Interval of the per-job rate logs that date each job's measured window.
+WINDOW_LOG_MSEC = 100
+
+
+def fio_window_args(log_prefix):
+    """fio options that log each job's rate on the wall clock, so that `fio_job_windows` can
+    tell when each job's measured window began."""
+    return [f"--write_iops_log={log_prefix}", f"--log_avg_msec={WINDOW_LOG_MSEC}", "--log_unix_epoch=1"]
+
+
+def fio_job_windows(log_prefix, jobs):
+    """Each job's measured window (after its ramp) as (start, end) in wall-clock seconds, from
+    the logs `fio_window_args` asked for: the first entry closes the first interval, and the
+    window lasts the job's runtime. None for a job that logged nothing (it did no I/O).
+
+    Why: a server that leaves some connections waiting shifts their jobs' windows. nbdkit-file
+    at 8 jobs x 32 had jobs start up to 3 s apart; each job's rate over its own window, summed,
+    came to 484k IOPS at a mean latency that allows at most 256 / 771 us = 332k; over the
+    span of all the windows it was 243k (bench/RESULTS.md, session 28)."""
+    windows = []
+    for index, job in enumerate(jobs, start=1):
+        path = f"{log_prefix}_iops.{index}.log"
+        try:
+            with open(path) as f:
+                first = next((line for line in f if line.strip()), None)
+        except FileNotFoundError:
+            first = None
+        if first is None:
+            windows.append(None)
+            continue
+        start = (int(first.split(",")[0]) - WINDOW_LOG_MSEC) / 1000
+        runtime = max(job["read"]["runtime"], job["write"]["runtime"]) / 1000
+        windows.append((start, start + runtime))
+    return windows
+
+
+def fio_totals(jobs, windows=None):
     """One result from fio's per-job reports (one job each unless --numjobs): the jobs'
-    requests and rates summed, latencies averaged over their requests. Not fio's
-    --group_reporting, whose figures for uneven jobs broke Little's law (nbdkit-file, 8 jobs
-    x 32: 385k IOPS at a mean of 991 us with 256 in flight, which allows at most 258k;
-    bench/RESULTS.md, session 27)."""
+    requests counted over the span of their measured windows (`windows`, from
+    `fio_job_windows`; without them, each job's rate over its own window, summed), latencies
+    averaged over their requests. Not fio's --group_reporting, whose figures for uneven jobs
+    broke Little's law (nbdkit-file, 8 jobs x 32: 385k IOPS at a mean of 991 us with 256 in
+    flight, which allows at most 258k; bench/RESULTS.md, session 27)."""
     for job in jobs:
         if job.get("error"):
             raise RuntimeError(f"fio job error {job['error']}")
@@ -274,6 +315,12 @@ def fio_totals(jobs):
     sync = sum(n * m for n, m in syncs) / sum(n for n, _ in syncs) if syncs else 0
     # counted, ramp excluded
     runtime_s = max(max(job["read"]["runtime"], job["write"]["runtime"]) for job in jobs) / 1000
+    dated = [w for w in windows or [] if w is not None]
+    if dated:
+        span = max(end for _, end in dated) - min(start for start, _ in dated)
+        if span > 0:
+            nbytes = sum(job[d]["io_bytes"] for job in jobs for d in ("read", "write"))
+            iops, bw, runtime_s = ios / span, nbytes / span / 1e6, span
     return {"ios": ios, "iops": iops, "mbps": bw, "runtime_s": runtime_s, "lat_us": (max(lats) if lats else 0) / 1000,
             "sync_lat_us": sync / 1000}
 

@@ -23,6 +23,9 @@ import time
 
 from sections import write_section
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 NETBLK = os.path.join(ROOT, "target", "release", "netblk")
@@ -85,9 +88,14 @@ def fio_ops(uri, size, jobs, flush, runtime):
                "--output-format=json", f"--output={out}"]
         if flush:
             cmd.append("--fsync=1")
+        log_prefix = os.path.join(tmp, "jobs")
+        cmd += bench.fio_window_args(log_prefix)
         subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
-        # Summed over the jobs, not fio's --group_reporting (see bench.py's fio_totals).
-        return sum(job["write"]["iops"] for job in json.load(open(out))["jobs"])
+        # Counted over the span of the jobs' windows, not fio's --group_reporting (see
+        # bench.py's fio_totals and fio_job_windows).
+        with open(out) as f:
+            jobs = json.load(f)["jobs"]
+        return bench.fio_totals(jobs, bench.fio_job_windows(log_prefix, jobs))["iops"]
 
 
 def flush_times(uri, dirty_mib, repeats):

@@ -257,6 +257,11 @@ def run_fio(job_args, target, runtime, out_path):
 WINDOW_LOG_MSEC = 100
 
 
+def job_runtime_s(job):
+    """Seconds a fio job counted (its ramp excluded), whichever direction it ran."""
+    return max(job["read"]["runtime"], job["write"]["runtime"]) / 1000
+
+
 def fio_window_args(log_prefix):
     """fio options that log each job's rate on the wall clock, so that `fio_job_windows` can
     tell when each job's measured window began."""
@@ -284,8 +289,7 @@ def fio_job_windows(log_prefix, jobs):
             windows.append(None)
             continue
         start = (int(first.split(",")[0]) - WINDOW_LOG_MSEC) / 1000
-        runtime = max(job["read"]["runtime"], job["write"]["runtime"]) / 1000
-        windows.append((start, start + runtime))
+        windows.append((start, start + job_runtime_s(job)))
     return windows
 
 
@@ -313,8 +317,7 @@ def fio_totals(jobs, windows=None):
     syncs = [(job["sync"]["total_ios"], job["sync"]["lat_ns"]["mean"]) for job in jobs
              if job.get("sync", {}).get("total_ios")]
     sync = sum(n * m for n, m in syncs) / sum(n for n, _ in syncs) if syncs else 0
-    # counted, ramp excluded
-    runtime_s = max(max(job["read"]["runtime"], job["write"]["runtime"]) for job in jobs) / 1000
+    runtime_s = max(job_runtime_s(job) for job in jobs)
     dated = [w for w in windows or [] if w is not None]
     if dated:
         span = max(end for _, end in dated) - min(start for start, _ in dated)

@@ -21,10 +21,8 @@ import sys
 import tempfile
 import time
 
+import bench
 from sections import write_section
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -23,7 +23,6 @@
 //! carried cubic. netblk's own reads, same A/B (session 18): 32 MiB memory 75 → 116 IOPS,
 //! 4 MiB file 431 → 874, 1 MiB file 2,033 → 3,459 (the "slow mode" of spliced reads that
 //! sessions 16 and 17 chased), with 0 retransmissions.
-
 //!
 //! The receive buffer is set, not left to the kernel's autotuning, on the same sockets (so
 //! that the window scale a connection negotiates allows it). Measured reason: with
@@ -33,6 +32,8 @@
 //! netblk's CPU, while fio sent others from its own, and over loopback they arrived out of
 //! order: 39,131 retransmitted segments in three 5 s runs against 2,729 with a fixed 16 MiB
 //! buffer (256 KiB writes 1,532 → 114), at the same rates (bench/RESULTS.md, session 27).
+//! Writes of 4 MiB and more keep their retransmissions with any buffer size: those come from
+//! the same two-CPU reordering without a closing window (session 28).
 
 use std::net::SocketAddr;
 use std::os::fd::AsFd;

@@ -29,6 +29,8 @@ import tempfile
 import threading
 import time
 
+from sections import read_text
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # NETBLK_BIN names the binary outright; otherwise it is where `cargo build --release` puts it,
 # which honours CARGO_TARGET_DIR (a worktree built into another target directory).
@@ -319,13 +321,16 @@ def fio_totals(jobs, windows=None):
     sync = sum(n * m for n, m in syncs) / sum(n for n, _ in syncs) if syncs else 0
     runtime_s = max(job_runtime_s(job) for job in jobs)
     dated = [w for w in windows or [] if w is not None]
+    start_spread_ms = None
     if dated:
-        span = max(end for _, end in dated) - min(start for start, _ in dated)
+        starts = [start for start, _ in dated]
+        start_spread_ms = (max(starts) - min(starts)) * 1000
+        span = max(end for _, end in dated) - min(starts)
         if span > 0:
             nbytes = sum(job[d]["io_bytes"] for job in jobs for d in ("read", "write"))
             iops, bw, runtime_s = ios / span, nbytes / span / 1e6, span
     return {"ios": ios, "iops": iops, "mbps": bw, "runtime_s": runtime_s, "lat_us": (max(lats) if lats else 0) / 1000,
-            "sync_lat_us": sync / 1000}
+            "sync_lat_us": sync / 1000, "start_spread_ms": start_spread_ms}
 
 
 def run_load(job_args, port, runtime):
@@ -483,7 +488,7 @@ def fs_run(server_name, scratch, params):
             deadline = time.time() + 20
             while not (os.path.exists(pidfile) and os.path.getsize(pidfile)):
                 if nbdfuse.poll() is not None:
-                    raise RuntimeError(f"nbdfuse exited: {open(log).read()[-300:]}")
+                    raise RuntimeError(f"nbdfuse exited: {read_text(log)[-300:]}")
                 if time.time() > deadline:
                     raise RuntimeError("nbdfuse never became ready")
                 time.sleep(0.05)
@@ -730,6 +735,24 @@ def med(results, key, field):
     return median_range([r.get(field) for r in results.get(key, [])])[0]
 
 
+def start_spread_lines(selected, results):
+    """For the rows with several fio jobs (one connection each): how far apart the jobs'
+    measured windows started, median and largest over the rounds. A server that leaves
+    connections waiting before it serves them shows here (nbdkit-file: up to 3 s in session
+    28), and its row's rate is counted over the whole span (`fio_totals`)."""
+    shown = []
+    for name, (_, servers) in selected.items():
+        for server in servers:
+            spreads = [r.get("start_spread_ms") for r in results.get((name, server), [])]
+            middle, _, largest = median_range(spreads)
+            if middle is not None:
+                shown.append(f"{name} {server} {fmt(middle)} ({fmt(largest)})")
+    if not shown:
+        return []
+    return ["", "Jobs' windows started this many ms apart, median (largest) over the rounds: "
+            + "; ".join(shown) + "."]
+
+
 def write_report(args, selected, fs_selected, results, errors, rounds, runtime, ceiling, elapsed, fs_elapsed):
     out = os.path.join(ROOT, "bench", "RESULTS-quick.md" if args.quick else "RESULTS.md")
     fresh = {"fs": fs_report(fs_selected, results, errors, rounds, fs_elapsed)} if fs_selected else {}
@@ -771,6 +794,7 @@ def write_report(args, selected, fs_selected, results, errors, rounds, runtime, 
             retr = sum(r["tcp"].get("TcpRetransSegs", 0) for r in runs)
             lines.append(f"| {name} | {server} | {fmt(iops)} ({fmt(lo)}–{fmt(hi)}) | {fmt(mbps)} | {fmt(lat, 1)} | "
                          f"{fmt(cpu, 2)} | {fmt(steal * 100 if steal is not None else None, 1)} | {dack} | {retr} |")
+    lines += start_spread_lines(selected, results)
     lines += ["", "## Targets (issue 3)", "", "| target | measured | verdict |", "|---|---|---|"]
 
     def ratio(a, b):
@@ -869,9 +893,8 @@ def kept_sections(path, fresh=None):
     takes the old one's place (or comes last if the old report had none)."""
     fresh = dict(fresh or {})
     kept = []
-    if os.path.exists(path):
-        for match in re.finditer(SECTION, open(path).read(), re.S):
-            kept += ["", fresh.pop(match.group(1), match.group(0))]
+    for match in re.finditer(SECTION, read_text(path), re.S):
+        kept += ["", fresh.pop(match.group(1), match.group(0))]
     for text in fresh.values():
         kept += ["", text]
     return kept
@@ -880,7 +903,7 @@ def kept_sections(path, fresh=None):
 def replace_sections(path, fresh):
     """Put `fresh` sections into the report at `path` and change nothing else in it."""
     fresh = dict(fresh)
-    text = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
+    text = read_text(path, missing="# Benchmark results\n")
     text = re.sub(SECTION, lambda m: fresh.pop(m.group(1), m.group(0)), text, flags=re.S)
     for section in fresh.values():
         text = text.rstrip("\n") + "\n\n" + section + "\n"

@@ -33,17 +33,11 @@ CONNECTIONS = [1, 2, 4, 8, 16]
 DISK_SIZE = 1 << 30
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """One NBD server on a fresh port; stopped by its own PID."""
 
     def __init__(self, kind, disk):
-        self.port = free_port()
+        self.port = bench.free_port()
         if kind.startswith("netblk"):
             cache = kind.split("-", 1)[1]
             cmd = [NETBLK, "serve", "--cache", cache, "--listen", f"127.0.0.1:{self.port}", disk]

@@ -5,9 +5,17 @@ rest of the file is left as it was."""
 import os
 
 
+def read_text(path, missing=""):
+    """The file's text, or `missing` when there is no such file."""
+    if not os.path.exists(path):
+        return missing
+    with open(path) as f:
+        return f.read()
+
+
 def write_section(path, name, text):
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
-    old = open(path).read() if os.path.exists(path) else ""
+    old = read_text(path)
     block = f"{begin}\n{text}\n{end}"
     if begin in old and end in old:
         new = old[:old.index(begin)] + block + old[old.index(end) + len(end):]

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every netblk test on a fresh Debian 12 machine: installs the real NBD clients the
 # integration tests drive when they are missing, checks formatting and lints, runs the
-# unit, property and integration tests, then a short run of each fuzz target.
+# unit, property and integration tests and the bench scripts' tests, then a short run of
+# each fuzz target.
 #
 #   scripts/test.sh                      # everything
 #   NETBLK_FUZZ_SECONDS=0 scripts/test.sh   # skip the fuzz run (the corpus is still
@@ -40,6 +41,11 @@ trap 'rm -f "$test_log"' EXIT
 CI=${CI:-1} cargo test --release 2>&1 | tee "$test_log"
 passed=$(grep -Eo '^test result: .* ([0-9]+) passed' "$test_log" | grep -Eo '[0-9]+ passed' | awk '{s+=$1} END {print s+0}')
 failed=$(grep -Eo '[0-9]+ failed;' "$test_log" | awk '{s+=$1} END {print s+0}')
+
+# The bench scripts' counting (fio's jobs over their windows, the report's sections): a
+# wrong count would put a wrong figure beside a target. Standard library only.
+echo "== bench script tests"
+(cd bench && /usr/bin/python3 -m unittest discover -p 'test_*.py')
 
 if [ "$fuzz_seconds" -gt 0 ]; then
   if rustup toolchain list 2>/dev/null | grep -q '^nightly'; then

@@ -1,0 +1,183 @@
+#!/usr/bin/python3
+"""Tests of how the bench scripts count and report: a wrong count here would put a wrong
+figure beside a target, so the arithmetic is checked against results worked out by hand
+(Little's law among them). Run by scripts/test.sh:
+
+    /usr/bin/python3 -m unittest discover -s bench -p 'test_*.py'
+"""
+
+import os
+import tempfile
+import unittest
+
+import bench
+import sections
+
+
+def fio_job(read_ios=0, write_ios=0, runtime_ms=3000, lat_us=100.0, sync_ios=0, sync_lat_us=0.0, error=0):
+    """One job of fio's JSON report, with only the fields the bench reads."""
+
+    def direction(ios):
+        seconds = runtime_ms / 1000
+        return {"total_ios": ios, "iops": ios / seconds if ios else 0.0, "io_bytes": ios * 4096,
+                "bw_bytes": ios * 4096 / seconds if ios else 0.0, "runtime": runtime_ms if ios else 0,
+                "lat_ns": {"mean": lat_us * 1000 if ios else 0.0}}
+
+    job = {"error": error, "read": direction(read_ios), "write": direction(write_ios)}
+    if sync_ios:
+        job["sync"] = {"total_ios": sync_ios, "lat_ns": {"mean": sync_lat_us * 1000}}
+    return job
+
+
+class FioTotals(unittest.TestCase):
+    def test_one_job_is_its_own_rate(self):
+        total = bench.fio_totals([fio_job(read_ios=300_000, lat_us=125.0)])
+        self.assertEqual(total["ios"], 300_000)
+        self.assertAlmostEqual(total["iops"], 100_000)
+        self.assertAlmostEqual(total["mbps"], 100_000 * 4096 / 1e6)
+        self.assertAlmostEqual(total["lat_us"], 125.0)
+        self.assertAlmostEqual(total["runtime_s"], 3.0)
+        self.assertIsNone(total["start_spread_ms"])
+
+    def test_jobs_without_windows_are_summed(self):
+        jobs = [fio_job(read_ios=100_000), fio_job(read_ios=200_000)]
+        self.assertAlmostEqual(bench.fio_totals(jobs)["iops"], 100_000)
+
+    def test_jobs_that_ran_at_different_times_are_counted_over_their_span(self):
+        # Two jobs of 3 s each, the second started 3 s after the first: each job's own rate
+        # is 100k, but over the 6 s in which they ran the server did 600k requests, 100k/s.
+        # Summing the jobs' rates would claim 200k, twice what was delivered.
+        jobs = [fio_job(read_ios=300_000), fio_job(read_ios=300_000)]
+        windows = [(1000.0, 1003.0), (1003.0, 1006.0)]
+        total = bench.fio_totals(jobs, windows)
+        self.assertAlmostEqual(total["iops"], 100_000)
+        self.assertAlmostEqual(total["runtime_s"], 6.0)
+        self.assertAlmostEqual(total["mbps"], 600_000 * 4096 / 6 / 1e6)
+        self.assertAlmostEqual(total["start_spread_ms"], 3000)
+
+    def test_the_span_agrees_with_littles_law(self):
+        # 4 jobs x 32 in flight, each at 128 us per request over the same 2 s window: by
+        # Little's law 128 in flight / 128 us = 1M requests a second in all.
+        jobs = [fio_job(read_ios=500_000, runtime_ms=2000, lat_us=128.0) for _ in range(4)]
+        windows = [(50.0 + i * 0.001, 52.0 + i * 0.001) for i in range(4)]
+        total = bench.fio_totals(jobs, windows)
+        in_flight = total["iops"] * total["lat_us"] / 1e6
+        self.assertAlmostEqual(in_flight, 128, delta=0.5)
+        self.assertAlmostEqual(total["start_spread_ms"], 3, places=6)
+
+    def test_a_job_with_no_window_is_left_out_of_the_span(self):
+        jobs = [fio_job(read_ios=200_000, runtime_ms=2000), fio_job(read_ios=0, runtime_ms=2000)]
+        total = bench.fio_totals(jobs, [(10.0, 12.0), None])
+        self.assertAlmostEqual(total["iops"], 100_000)
+        self.assertEqual(total["start_spread_ms"], 0)
+
+    def test_no_dated_window_falls_back_to_the_sum(self):
+        jobs = [fio_job(read_ios=100_000), fio_job(read_ios=100_000)]
+        self.assertAlmostEqual(bench.fio_totals(jobs, [None, None])["iops"], 200_000 / 3)
+
+    def test_latency_is_the_mean_over_requests_not_over_jobs(self):
+        jobs = [fio_job(read_ios=300_000, lat_us=100.0), fio_job(read_ios=100_000, lat_us=500.0)]
+        self.assertAlmostEqual(bench.fio_totals(jobs)["lat_us"], (300_000 * 100 + 100_000 * 500) / 400_000)
+
+    def test_writes_and_their_syncs(self):
+        total = bench.fio_totals([fio_job(write_ios=9_000, lat_us=80.0, sync_ios=9_000, sync_lat_us=40.0)])
+        self.assertAlmostEqual(total["iops"], 3_000)
+        self.assertAlmostEqual(total["lat_us"], 80.0)
+        self.assertAlmostEqual(total["sync_lat_us"], 40.0)
+
+    def test_a_job_error_is_raised(self):
+        with self.assertRaisesRegex(RuntimeError, "fio job error 5"):
+            bench.fio_totals([fio_job(read_ios=1, error=5)])
+
+
+class FioJobWindows(unittest.TestCase):
+    def test_windows_are_dated_from_each_jobs_first_log_entry(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            prefix = os.path.join(tmp, "jobs")
+            # fio's iops log with --log_unix_epoch: "msec, value, direction, bs, ..."; the
+            # first entry closes the first 100 ms interval after the ramp.
+            with open(f"{prefix}_iops.1.log", "w") as f:
+                f.write("1700000000100, 31000, 0, 4096, 0\n1700000000200, 32000, 0, 4096, 0\n")
+            with open(f"{prefix}_iops.2.log", "w") as f:
+                f.write("\n1700000003100, 30000, 0, 4096, 0\n")
+            open(f"{prefix}_iops.3.log", "w").close()  # a job that did no I/O
+            # job 4 wrote no log at all
+            jobs = [fio_job(read_ios=1, runtime_ms=2000) for _ in range(4)]
+            windows = bench.fio_job_windows(prefix, jobs)
+        self.assertEqual(len(windows), 4)
+        self.assertAlmostEqual(windows[0][0], 1_700_000_000.0)
+        self.assertAlmostEqual(windows[0][1], 1_700_000_002.0)
+        self.assertAlmostEqual(windows[1][0], 1_700_000_003.0)
+        self.assertIsNone(windows[2])
+        self.assertIsNone(windows[3])
+        total = bench.fio_totals(jobs, windows)
+        self.assertAlmostEqual(total["runtime_s"], 5.0)
+        self.assertAlmostEqual(total["start_spread_ms"], 3000)
+
+    def test_the_log_options_name_the_prefix_the_windows_read(self):
+        args = bench.fio_window_args("/x/jobs")
+        self.assertIn("--write_iops_log=/x/jobs", args)
+        self.assertIn(f"--log_avg_msec={bench.WINDOW_LOG_MSEC}", args)
+        self.assertIn("--log_unix_epoch=1", args)
+
+
+class Report(unittest.TestCase):
+    def test_start_spread_lines_name_only_multi_job_rows(self):
+        selected = {"randread-qd32": ([], ["netblk-mem"]), "randread-4x32": ([], ["netblk-mem", "nbdkit-file"])}
+        results = {("randread-qd32", "netblk-mem"): [{"start_spread_ms": None}],
+                   ("randread-4x32", "netblk-mem"): [{"start_spread_ms": 2.0}, {"start_spread_ms": 5.0},
+                                                     {"start_spread_ms": 3.0}],
+                   ("randread-4x32", "nbdkit-file"): [{"start_spread_ms": 40.0}, {"start_spread_ms": 3040.0},
+                                                      {"start_spread_ms": 10.0}]}
+        text = "".join(bench.start_spread_lines(selected, results))
+        self.assertIn("randread-4x32 netblk-mem 3 (5)", text)
+        self.assertIn("randread-4x32 nbdkit-file 40 (3,040)", text)
+        self.assertNotIn("qd32", text)
+        self.assertEqual(bench.start_spread_lines({"randread-qd32": ([], ["netblk-mem"])}, {}), [])
+
+    def test_median_range_skips_missing_values(self):
+        self.assertEqual(bench.median_range([3, None, 1, 2]), (2, 1, 3))
+        self.assertEqual(bench.median_range([None]), (None, None, None))
+
+    def test_sizes(self):
+        self.assertEqual(bench.size_bytes("64k"), 64 << 10)
+        self.assertEqual(bench.size_bytes("32m"), 32 << 20)
+
+    def test_other_scripts_sections_survive_a_new_report(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "RESULTS.md")
+            with open(path, "w") as f:
+                f.write("# old table\n\n<!-- flush:begin -->\nflush figures\n<!-- flush:end -->\n\n"
+                        "<!-- fs:begin -->\nold fs\n<!-- fs:end -->\n")
+            kept = bench.kept_sections(path, {"fs": "<!-- fs:begin -->\nnew fs\n<!-- fs:end -->"})
+            text = "\n".join(kept)
+            self.assertIn("flush figures", text)
+            self.assertIn("new fs", text)
+            self.assertNotIn("old fs", text)
+            self.assertNotIn("old table", text)
+
+    def test_replace_sections_changes_nothing_else(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "RESULTS.md")
+            with open(path, "w") as f:
+                f.write("# table\n\nrow\n\n<!-- fs:begin -->\nold fs\n<!-- fs:end -->\n\ntail\n")
+            bench.replace_sections(path, {"fs": "<!-- fs:begin -->\nnew\n<!-- fs:end -->",
+                                          "replication": "<!-- replication:begin -->\nr\n<!-- replication:end -->"})
+            text = sections.read_text(path)
+        self.assertTrue(text.startswith("# table\n\nrow\n\n<!-- fs:begin -->\nnew\n<!-- fs:end -->\n\ntail\n"))
+        self.assertTrue(text.endswith("<!-- replication:begin -->\nr\n<!-- replication:end -->\n"))
+
+    def test_write_section_replaces_in_place_or_appends(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "RESULTS.md")
+            sections.write_section(path, "flush", "first")
+            sections.write_section(path, "replication", "second")
+            sections.write_section(path, "flush", "third")
+            text = sections.read_text(path)
+        self.assertEqual(text.count("<!-- flush:begin -->"), 1)
+        self.assertIn("<!-- flush:begin -->\nthird\n<!-- flush:end -->", text)
+        self.assertLess(text.index("third"), text.index("second"))
+
+
+if __name__ == "__main__":
+    unittest.main()

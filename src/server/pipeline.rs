@@ -96,10 +96,20 @@ const READ_ROOM: usize = 256 * 1024;
 /// 3,120 → 3,877; file 4,220 → 4,990, 4,047 → 4,635, 3,991 → 3,500 (noisy VM).
 const READ_AFTER_LARGE_PAYLOAD: usize = 4096;
 /// Payloads from this size on limit the next socket read ([`READ_AFTER_LARGE_PAYLOAD`]).
-/// Smaller ones do not: the one read that brings in several 64 KiB or 256 KiB writes is
-/// worth more than the copy it saves (with the limit from 64 KiB on, 64 KiB writes fell
-/// from 2,984 to 2,084 MB/s and 256 KiB writes from 3,028 to 2,473 on the file export).
-const LARGE_PAYLOAD: u32 = 1024 * 1024;
+/// Smaller ones do not: the one read that brings in several 64 KiB writes is worth more
+/// than the copy it saves. At 256 KiB the copy costs more: `perf` of fio 256 KiB writes at
+/// QD8 to the memory export found 40–44% of the server's samples in user-space `memmove`
+/// (each payload copied from the read buffer into pages or the export), 3% with the limit
+/// from 256 KiB on (the kernel's copy, now into cold pages, took most of what was saved,
+/// and the socket is read 12 times a write instead of 1.3). `bench/ab.py`, session 29, four
+/// runs of 4–6 rounds, server CPU µs per 256 KiB write with the limit from 1 MiB against
+/// from 256 KiB: file 77.4 / 79.2 / 80.7 / 77.9 against 66.0 / 68.6 / 80.0 / 72.4, memory
+/// 56.2 / 59.5 / 60.4 against 55.0 / 54.1 / 59.1, direct 75.4 / 80.0 against 70.9 / 71.4;
+/// IOPS level to 16% higher (file 12,475 / 12,286 / 12,209 / 12,292 against 14,455 /
+/// 14,019 / 12,146 / 12,894), within this VM's noise (the same 1 MiB writes in both
+/// builds differed by 12% in one run). From 64 KiB on, 64 KiB writes fell (memory 51.7k
+/// against 54.0k, file 36.2k against 37.2k; on an earlier machine 2,984 to 2,084 MB/s).
+const LARGE_PAYLOAD: u32 = 256 * 1024;
 /// Most slices handed to one vectored write.
 const MAX_IOVECS: usize = 512;
 /// Poll-loop rounds before yielding to other connections on this worker.

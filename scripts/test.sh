@@ -45,7 +45,10 @@ failed=$(grep -Eo '[0-9]+ failed;' "$test_log" | awk '{s+=$1} END {print s+0}')
 # The bench scripts' counting (fio's jobs over their windows, the report's sections): a
 # wrong count would put a wrong figure beside a target. Standard library only.
 echo "== bench script tests"
-(cd bench && /usr/bin/python3 -m unittest discover -p 'test_*.py')
+bench_log=$(mktemp)
+trap 'rm -f "$test_log" "$bench_log"' EXIT
+(cd bench && /usr/bin/python3 -m unittest discover -p 'test_*.py') 2>&1 | tee "$bench_log"
+bench_tests=$(grep -Eo '^Ran [0-9]+ test' "$bench_log" | grep -Eo '[0-9]+')
 
 if [ "$fuzz_seconds" -gt 0 ]; then
   if rustup toolchain list 2>/dev/null | grep -q '^nightly'; then
@@ -62,4 +65,4 @@ if [ "$fuzz_seconds" -gt 0 ]; then
   fi
 fi
 echo "== all tests passed"
-echo "cargo test: $passed passed, $failed failed"
+echo "cargo test: $passed passed, $failed failed; bench script tests: ${bench_tests:-0} passed"

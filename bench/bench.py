@@ -250,6 +250,12 @@ def run_fio(job_args, target, runtime, out_path):
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=runtime + 120)
     if proc.returncode != 0:
         raise RuntimeError(f"fio failed: {proc.stderr.strip()[-300:]}")
+    return fio_report(out_path, log_prefix)
+
+
+def fio_report(out_path, log_prefix=None):
+    """`fio_totals` of the JSON report fio wrote to `out_path`, counted over the jobs' windows
+    when fio was also given `fio_window_args(log_prefix)`."""
     with open(out_path) as f:
         jobs = json.load(f)["jobs"]
     return fio_totals(jobs, fio_job_windows(log_prefix, jobs) if log_prefix else None)

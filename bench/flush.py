@@ -85,9 +85,7 @@ def fio_ops(uri, size, jobs, flush, runtime):
         subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
         # Counted over the span of the jobs' windows, not fio's --group_reporting (see
         # bench.py's fio_totals and fio_job_windows).
-        with open(out) as f:
-            jobs = json.load(f)["jobs"]
-        return bench.fio_totals(jobs, bench.fio_job_windows(log_prefix, jobs))["iops"]
+        return bench.fio_report(out, log_prefix)["iops"]
 
 
 def flush_times(uri, dirty_mib, repeats):

@@ -685,6 +685,155 @@ print("ok")
     assert_eq!(styles, ["Simple", "Structured"], "{log}");
 }
 
+/// Connections that break off mid-request (a write whose payload stops short, a 32 MiB read
+/// never collected, half a header, 200 reads then a reset, noise) while libnbd clients
+/// check every read against a model of what they wrote, in each cache mode: the broken
+/// connections cost only themselves, and no verifying client sees a wrong byte or an error.
+#[test]
+fn breaking_connections_never_disturb_clients_that_verify_their_data() {
+    if !have("nbdsh") {
+        return;
+    }
+    let dir = tempdir();
+    let backing = dir.path().join("disk.img");
+    let backing = path_str(&backing);
+    let modes: [&[&str]; 3] = [
+        &["memory:48M"],
+        &["--cache", "writeback", "--size", "48M", backing],
+        &["--cache", "none", "--size", "48M", backing],
+    ];
+    for args in modes {
+        let mut server = Server::start(args);
+        let out = python(BREAKING_CONNECTIONS, &[&server.uri(), server.tcp()]);
+        assert!(out.lines().any(|l| l.starts_with("ok ")), "{args:?}: {out}");
+        assert!(
+            server.wait_exit(Duration::ZERO).is_none(),
+            "{args:?}: the server died:\n{}",
+            server.stderr()
+        );
+        let log = server.stderr();
+        assert!(
+            !log.contains("panicked"),
+            "{args:?}: the server panicked:\n{log}"
+        );
+    }
+}
+
+/// Four verifying libnbd clients on disjoint regions, and two threads of breaking
+/// connections whose writes aim at a fifth region, for three seconds.
+const BREAKING_CONNECTIONS: &str = r#"
+import nbd, os, random, socket, struct, sys, threading, time
+uri, address = sys.argv[1], sys.argv[2]
+host, port = address.rsplit(":", 1)
+WORKERS, SECONDS = 4, 3.0
+failures, verified, broken = [], [0], [0]
+
+def verify(i):
+    rnd = random.Random(i)
+    h = nbd.NBD()
+    if i % 2:
+        h.set_request_structured_replies(False)
+    h.connect_uri(uri)
+    region = h.get_size() // (WORKERS + 1)
+    base = i * region
+    model = bytearray(h.pread(region, base))
+    end = time.time() + SECONDS
+    while time.time() < end and not failures:
+        n = min(rnd.choice([1, 511, 4096, 4097, 65536, 131075, 1 << 20, 3 << 20]), region)
+        off = rnd.randrange(region - n + 1)
+        if rnd.random() < 0.5:
+            off -= off % 512
+        op = rnd.random()
+        if op < 0.4:
+            data = os.urandom(n)
+            h.pwrite(data, base + off, nbd.CMD_FLAG_FUA if rnd.random() < 0.1 else 0)
+            model[off:off + n] = data
+        elif op < 0.75:
+            if h.pread(n, base + off) != model[off:off + n]:
+                failures.append(f"client {i}: wrong data at {base + off}+{n}")
+        elif op < 0.85:
+            h.zero(n, base + off)
+            model[off:off + n] = bytes(n)
+        elif op < 0.9:
+            h.trim(n, base + off)     # leaves the range undefined: read back what it holds
+            model[off:off + n] = h.pread(n, base + off)
+        elif op < 0.95:
+            h.flush()
+        else:                          # eight reads in flight at once
+            reads = []
+            for _ in range(8):
+                m = rnd.choice([4096, 65536])
+                o = rnd.randrange(region - m + 1)
+                buf = nbd.Buffer(m)
+                reads.append((h.aio_pread(buf, base + o), buf, o, m))
+            for cookie, buf, o, m in reads:
+                while not h.aio_command_completed(cookie):
+                    h.poll(-1)
+                if buf.to_bytearray() != model[o:o + m]:
+                    failures.append(f"client {i}: wrong data in flight at {base + o}+{m}")
+        verified[0] += 1
+    if h.pread(region, base) != model:
+        failures.append(f"client {i}: the region differs at the end")
+    h.shutdown()
+
+def handshake(s):
+    f = s.makefile("rb")
+    f.read(18)                                   # NBDMAGIC, IHAVEOPT, server flags
+    s.sendall(struct.pack(">I", 3))              # fixed newstyle, no zeroes
+    s.sendall(struct.pack(">QII", 0x49484156454F5054, 7, 6) + struct.pack(">IH", 0, 0))
+    while True:                                  # NBD_OPT_GO: infos, then the ACK
+        _, _, kind, length = struct.unpack(">QIII", f.read(20))
+        f.read(length)
+        if kind == 1:
+            return
+
+def request(command, cookie, offset, length):
+    return struct.pack(">IHHQQI", 0x25609513, 0, command, cookie, offset, length)
+
+def breaker(seed):
+    rnd = random.Random(seed)
+    h = nbd.NBD()
+    h.connect_uri(uri)
+    scratch = h.get_size() // (WORKERS + 1) * WORKERS
+    h.shutdown()
+    end = time.time() + SECONDS
+    while time.time() < end and not failures:
+        s = socket.create_connection((host, int(port)))
+        handshake(s)
+        kind = rnd.randrange(5)
+        if kind == 0:
+            s.sendall(request(1, 1, scratch, 1 << 20) + os.urandom(rnd.randrange(1 << 20)))
+        elif kind == 1:
+            s.sendall(request(0, 2, 0, 32 << 20))
+        elif kind == 2:
+            s.sendall(request(0, 3, 0, 4096)[:rnd.randrange(1, 28)])
+        elif kind == 3:
+            s.sendall(b"".join(request(0, c, 4096 * c, 4096) for c in range(200)))
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        else:
+            s.sendall(os.urandom(rnd.randrange(1, 4096)))
+        if rnd.random() < 0.5:
+            time.sleep(rnd.random() * 0.005)
+        s.close()
+        broken[0] += 1
+
+def guarded(work, arg):
+    try:
+        work(arg)
+    except Exception as e:
+        failures.append(f"{work.__name__} {arg}: {e!r}")
+
+threads = [threading.Thread(target=guarded, args=(verify, i)) for i in range(WORKERS)]
+threads += [threading.Thread(target=guarded, args=(breaker, 100 + i)) for i in range(2)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+assert not failures, failures[:5]
+assert verified[0] > 100 and broken[0] > 50, (verified[0], broken[0])
+print(f"ok {verified[0]} checked operations, {broken[0]} broken connections")
+"#;
+
 // 7. fio
 
 fn fio_verify(server: &Server, uri: &str) {

@@ -182,7 +182,10 @@ struct RingState {
 /// 28 (local fio 83k, qemu-nbd 44k); random reads 62.6k against 74.8k at 24. As committed,
 /// against the binary before (`bench/ab.py`, 3 rounds, the disk in a slower mode): random
 /// writes 19.7k → 26.7k, reads 63.0k → 71.2k; QD1, QD256, four connections, write+fsync
-/// and 1 MiB rows within noise.
+/// and 1 MiB rows within noise. A larger held share was measured later (RESULTS, session
+/// 30, 5 rounds each): with `nbd-load` at QD32, 5/8 in the kernel read 82.5k against 74.2k
+/// at 3/4, but with fio, the bench's client, reads were 66.9k against 68.0k and writes 75.3k
+/// against 71.7k, within noise, so the share stays.
 ///
 /// A device that completes requests independently (NVMe) gains nothing from this and would
 /// lose queue depth, so the limit applies only while the completions handed out per reap

@@ -799,7 +799,7 @@ def breaker(seed):
     h.shutdown()
     end = time.time() + SECONDS
     while time.time() < end and not failures:
-        s = socket.create_connection((host, int(port)))
+        s = socket.create_connection((host, int(port)), timeout=10)  # a hang fails, not stalls
         handshake(s)
         kind = rnd.randrange(5)
         if kind == 0:

@@ -892,6 +892,183 @@ fn rule8_garbage_never_takes_the_server_down() {
     assert!(server.wait_exit(Duration::ZERO).is_none());
 }
 
+/// Connections that break off mid-request (a write whose payload stops short, a 32 MiB read
+/// never collected, half a header, 200 reads then a reset, noise) while libnbd clients
+/// check every read against a model of what they wrote, in each cache mode: the broken
+/// connections cost only themselves, and no verifying client sees a wrong byte or an error.
+#[test]
+fn breaking_connections_never_disturb_clients_that_verify_their_data() {
+    if !have("nbdsh") {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let backing = dir.path().join("disk.img");
+    let backing = backing.to_str().expect("UTF-8 path");
+    let modes: [&[&str]; 3] = [
+        &["memory:48M"],
+        &["--cache", "writeback", "--size", "48M", backing],
+        &["--cache", "none", "--size", "48M", backing],
+    ];
+    for args in modes {
+        let mut server = Server::start(args);
+        let clients = std::process::Command::new("/usr/bin/python3")
+            .arg("-c")
+            .arg(VERIFYING_CLIENTS)
+            .arg(server.uri())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("python3");
+        let clients = std::sync::Mutex::new(clients);
+        // The verifying clients keep the fifth of the export past their regions free.
+        let scratch = 48 * MIB / (VERIFYING_CLIENTS_COUNT + 1) * VERIFYING_CLIENTS_COUNT;
+        let broken: usize = std::thread::scope(|scope| {
+            let breakers: Vec<_> = (0..2u64)
+                .map(|seed| {
+                    let (tcp, clients) = (server.tcp(), &clients);
+                    scope.spawn(move || {
+                        let mut broken = 0;
+                        while clients.lock().unwrap().try_wait().unwrap().is_none() {
+                            break_one_connection(tcp, seed * 1_000_000 + broken as u64, scratch);
+                            broken += 1;
+                        }
+                        broken
+                    })
+                })
+                .collect();
+            breakers.into_iter().map(|b| b.join().unwrap()).sum()
+        });
+        let out = clients.into_inner().unwrap().wait_with_output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.starts_with("ok "),
+            "{args:?}: {stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(broken > 20, "{args:?}: only {broken} broken connections");
+        eprintln!("{args:?}: {}, {broken} broken connections", stdout.trim());
+        assert!(
+            server.wait_exit(Duration::ZERO).is_none(),
+            "{args:?}: the server died:\n{}",
+            server.stderr()
+        );
+        let log = server.stderr();
+        assert!(
+            !log.contains("panicked"),
+            "{args:?}: the server panicked:\n{log}"
+        );
+    }
+}
+
+/// Opens a session and breaks it off in one of five ways chosen by `seed`; writes go to
+/// `scratch`, outside the verifying clients' regions.
+fn break_one_connection(addr: &str, seed: u64, scratch: u64) {
+    let mut raw = Raw::session(addr, Mode::Simple);
+    let random = u64::from_le_bytes(noise(seed, 8).try_into().unwrap());
+    let request = |raw: &Raw, command, cookie, offset, length: u64| {
+        raw.encode_request(command, 0, cookie, offset, length, &[])
+    };
+    let mut bytes = match seed % 5 {
+        0 => {
+            let mut write = request(&raw, cmd::WRITE, 1, scratch, MIB);
+            write.extend(noise(seed, (random % MIB) as usize));
+            write
+        }
+        1 => request(&raw, cmd::READ, 2, 0, 32 * MIB),
+        2 => request(&raw, cmd::READ, 3, 0, 4096),
+        3 => (0..200)
+            .flat_map(|c| request(&raw, cmd::READ, c, 4096 * c, 4096))
+            .collect(),
+        _ => noise(seed, 1 + (random % 4096) as usize),
+    };
+    if seed % 5 == 2 {
+        bytes.truncate(1 + (random % 27) as usize); // half a header
+    }
+    let _ = raw.try_send(&bytes);
+    if seed % 5 == 3 {
+        // Closing with unread replies and a zero linger resets the connection.
+        let _ = rustix::net::sockopt::set_socket_linger(&raw.sock, Some(Duration::ZERO));
+    }
+    if random % 2 == 0 {
+        std::thread::sleep(Duration::from_micros(random % 5000));
+    }
+}
+
+/// How many verifying clients [`VERIFYING_CLIENTS`] runs, each on its own fifth of the export.
+const VERIFYING_CLIENTS_COUNT: u64 = 4;
+
+/// Four libnbd clients on disjoint regions for three seconds, each checking every read
+/// against a model of what it wrote.
+const VERIFYING_CLIENTS: &str = r#"
+import nbd, os, random, sys, threading, time
+uri = sys.argv[1]
+WORKERS, SECONDS = 4, 3.0
+failures, verified = [], [0]
+
+def verify(i):
+    rnd = random.Random(i)
+    h = nbd.NBD()
+    if i % 2:
+        h.set_request_structured_replies(False)
+    h.connect_uri(uri)
+    region = h.get_size() // (WORKERS + 1)
+    base = i * region
+    model = bytearray(h.pread(region, base))
+    end = time.time() + SECONDS
+    while time.time() < end and not failures:
+        n = min(rnd.choice([1, 511, 4096, 4097, 65536, 131075, 1 << 20, 3 << 20]), region)
+        off = rnd.randrange(region - n + 1)
+        if rnd.random() < 0.5:
+            off -= off % 512
+        op = rnd.random()
+        if op < 0.4:
+            data = os.urandom(n)
+            h.pwrite(data, base + off, nbd.CMD_FLAG_FUA if rnd.random() < 0.1 else 0)
+            model[off:off + n] = data
+        elif op < 0.75:
+            if h.pread(n, base + off) != model[off:off + n]:
+                failures.append(f"client {i}: wrong data at {base + off}+{n}")
+        elif op < 0.85:
+            h.zero(n, base + off)
+            model[off:off + n] = bytes(n)
+        elif op < 0.9:
+            h.trim(n, base + off)     # leaves the range undefined: read back what it holds
+            model[off:off + n] = h.pread(n, base + off)
+        elif op < 0.95:
+            h.flush()
+        else:                          # eight reads in flight at once
+            reads = []
+            for _ in range(8):
+                m = rnd.choice([4096, 65536])
+                o = rnd.randrange(region - m + 1)
+                buf = nbd.Buffer(m)
+                reads.append((h.aio_pread(buf, base + o), buf, o, m))
+            for cookie, buf, o, m in reads:
+                while not h.aio_command_completed(cookie):
+                    h.poll(-1)
+                if buf.to_bytearray() != model[o:o + m]:
+                    failures.append(f"client {i}: wrong data in flight at {base + o}+{m}")
+        verified[0] += 1
+    if h.pread(region, base) != model:
+        failures.append(f"client {i}: the region differs at the end")
+    h.shutdown()
+
+def guarded(i):
+    try:
+        verify(i)
+    except Exception as e:
+        failures.append(f"client {i}: {e!r}")
+
+threads = [threading.Thread(target=guarded, args=(i,)) for i in range(WORKERS)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+assert not failures, failures[:5]
+assert verified[0] > 20, verified[0]
+print(f"ok {verified[0]} checked operations")
+"#;
+
 /// Rule 9: 512 requests in flight on one connection: pipelined WRITEs, then pipelined READs,
 /// every reply matched by cookie (in any order) and every read verified.
 #[test]

@@ -893,9 +893,10 @@ fn rule8_garbage_never_takes_the_server_down() {
 }
 
 /// Connections that break off mid-request (a write whose payload stops short, a 32 MiB read
-/// never collected, half a header, 200 reads then a reset, noise) while libnbd clients
-/// check every read against a model of what they wrote, in each cache mode: the broken
-/// connections cost only themselves, and no verifying client sees a wrong byte or an error.
+/// never collected, part of a header, 200 reads then a reset, noise), after negotiating
+/// simple, structured or extended headers by turns, while libnbd clients check every read
+/// against a model of what they wrote, in each cache mode: the broken connections cost only
+/// themselves, and no verifying client sees a wrong byte or an error.
 #[test]
 fn breaking_connections_never_disturb_clients_that_verify_their_data() {
     if !have("nbdsh") {
@@ -960,10 +961,13 @@ fn breaking_connections_never_disturb_clients_that_verify_their_data() {
     }
 }
 
-/// Opens a session and breaks it off in one of five ways chosen by `seed`; writes go to
-/// `scratch`, outside the verifying clients' regions.
+/// Opens a session (simple, structured or extended headers, by turns) and breaks it off in
+/// one of five ways chosen by `seed`; writes go to `scratch`, outside the verifying clients'
+/// regions.
 fn break_one_connection(addr: &str, seed: u64, scratch: u64) {
-    let mut raw = Raw::session(addr, Mode::Simple);
+    let mode = [Mode::Simple, Mode::Structured, Mode::Extended][(seed / 5 % 3) as usize];
+    let header_len = if mode == Mode::Extended { 32 } else { 28 };
+    let mut raw = Raw::session(addr, mode);
     let random = u64::from_le_bytes(noise(seed, 8).try_into().unwrap());
     let request = |raw: &Raw, command, cookie, offset, length: u64| {
         raw.encode_request(command, 0, cookie, offset, length, &[])
@@ -982,7 +986,7 @@ fn break_one_connection(addr: &str, seed: u64, scratch: u64) {
         _ => noise(seed, 1 + (random % 4096) as usize),
     };
     if seed % 5 == 2 {
-        bytes.truncate(1 + (random % 27) as usize); // half a header
+        bytes.truncate(1 + (random % (header_len - 1)) as usize); // part of a header
     }
     let _ = raw.try_send(&bytes);
     if seed % 5 == 3 {

@@ -35,9 +35,11 @@ echo "== cargo fmt --check"
 cargo fmt --check
 echo "== cargo clippy"
 cargo clippy --all-targets --release -- -D warnings
-echo "== cargo test"
 test_log=$(mktemp)
-trap 'rm -f "$test_log"' EXIT
+bench_log=$(mktemp)
+fuzz_scratch=$(mktemp -d)
+trap 'rm -rf "$test_log" "$bench_log" "$fuzz_scratch"' EXIT
+echo "== cargo test"
 CI=${CI:-1} cargo test --release 2>&1 | tee "$test_log"
 passed=$(grep -Eo '^test result: .* ([0-9]+) passed' "$test_log" | grep -Eo '[0-9]+ passed' | awk '{s+=$1} END {print s+0}')
 failed=$(grep -Eo '[0-9]+ failed;' "$test_log" | awk '{s+=$1} END {print s+0}')
@@ -45,8 +47,6 @@ failed=$(grep -Eo '[0-9]+ failed;' "$test_log" | awk '{s+=$1} END {print s+0}')
 # The bench scripts' counting (fio's jobs over their windows, the report's sections): a
 # wrong count would put a wrong figure beside a target. Standard library only.
 echo "== bench script tests"
-bench_log=$(mktemp)
-trap 'rm -f "$test_log" "$bench_log"' EXIT
 (cd bench && /usr/bin/python3 -m unittest discover -p 'test_*.py') 2>&1 | tee "$bench_log"
 bench_tests=$(grep -Eo '^Ran [0-9]+ test' "$bench_log" | grep -Eo '[0-9]+')
 
@@ -55,10 +55,10 @@ if [ "$fuzz_seconds" -gt 0 ]; then
     command -v cargo-fuzz >/dev/null || cargo install --locked cargo-fuzz
     for target in handshake requests peer; do
       echo "== fuzz $target for ${fuzz_seconds}s"
-      scratch=$(mktemp -d)
+      scratch="$fuzz_scratch/$target"
+      mkdir "$scratch"
       (cd fuzz && cargo +nightly fuzz run -O "$target" "$scratch" "corpus/$target" -- \
         -max_total_time="$fuzz_seconds" -rss_limit_mb=4096 -print_final_stats=1 2>&1 | tail -n 12)
-      rm -rf "$scratch"
     done
   else
     echo "== fuzz: no nightly toolchain here; the committed corpus was replayed by cargo test"

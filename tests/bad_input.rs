@@ -966,7 +966,6 @@ fn breaking_connections_never_disturb_clients_that_verify_their_data() {
 /// regions.
 fn break_one_connection(addr: &str, seed: u64, scratch: u64) {
     let mode = [Mode::Simple, Mode::Structured, Mode::Extended][(seed / 5 % 3) as usize];
-    let header_len = if mode == Mode::Extended { 32 } else { 28 };
     let mut raw = Raw::session(addr, mode);
     let random = u64::from_le_bytes(noise(seed, 8).try_into().unwrap());
     let request = |raw: &Raw, command, cookie, offset, length: u64| {
@@ -986,7 +985,8 @@ fn break_one_connection(addr: &str, seed: u64, scratch: u64) {
         _ => noise(seed, 1 + (random % 4096) as usize),
     };
     if seed % 5 == 2 {
-        bytes.truncate(1 + (random % (header_len - 1)) as usize); // part of a header
+        // Part of the read's header (28 bytes, or 32 with extended headers).
+        bytes.truncate(1 + (random % (bytes.len() as u64 - 1)) as usize);
     }
     let _ = raw.try_send(&bytes);
     if seed % 5 == 3 {

@@ -611,6 +611,9 @@ fn after_failover_the_old_primary_is_resynced_including_its_own_hot_extents() {
         .unwrap();
     std::os::unix::fs::FileExt::write_all_at(&file, b"lost in flight", (9 << 20) + 100).unwrap();
     drop(file);
+    // Promoted once beta has seen its primary go (until then it refuses, as an operator
+    // would be refused).
+    wait_for_log("beta", || beta.stderr(), "primary lost", 1);
     let promote = netblk(&["promote", "--node", "beta"], &config);
     assert!(promote.status.success(), "{promote:?}");
     let out = qemu_io(&beta.uri(), &["write -P 9 40M 64k"]);

@@ -916,6 +916,7 @@ fn breaking_connections_never_disturb_clients_that_verify_their_data() {
             .arg("-c")
             .arg(VERIFYING_CLIENTS)
             .arg(server.uri())
+            .arg(VERIFYING_CLIENTS_COUNT.to_string())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
             .spawn()
@@ -998,15 +999,15 @@ fn break_one_connection(addr: &str, seed: u64, scratch: u64) {
     }
 }
 
-/// How many verifying clients [`VERIFYING_CLIENTS`] runs, each on its own fifth of the export.
+/// How many verifying clients [`VERIFYING_CLIENTS`] runs (its second argument), each on its
+/// own fifth of the export.
 const VERIFYING_CLIENTS_COUNT: u64 = 4;
 
-/// Four libnbd clients on disjoint regions for three seconds, each checking every read
-/// against a model of what it wrote.
+/// libnbd clients on disjoint regions for three seconds, each checking every read against
+/// a model of what it wrote; arguments: the export's URI and how many clients.
 const VERIFYING_CLIENTS: &str = r#"
 import nbd, os, random, sys, threading, time
-uri = sys.argv[1]
-WORKERS, SECONDS = 4, 3.0
+uri, WORKERS, SECONDS = sys.argv[1], int(sys.argv[2]), 3.0
 failures, verified = [], [0]
 
 def verify(i):

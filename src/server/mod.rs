@@ -7,6 +7,7 @@
 mod coalesce;
 pub mod handshake;
 mod idle_spin;
+mod in_flight;
 pub mod pipeline;
 pub mod validate;
 

@@ -9,7 +9,7 @@
 //! buffer starts on an [`ALIGN`] boundary, so `O_DIRECT` I/O can use it as it is. A buffer
 //! handed out holds **old data**: whoever takes one must overwrite every byte it exposes.
 
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use bytes::Bytes;
 
@@ -39,7 +39,21 @@ fn may_keep_another(idle: usize, storage: usize) -> bool {
 const CLASSES: usize = (MAX_POOLED / SMALLEST_CLASS).trailing_zeros() as usize + 1;
 
 struct Pool {
-    classes: [Mutex<Vec<Vec<u8>>>; CLASSES],
+    classes: [Mutex<Vec<Arc<Storage>>>; CLASSES],
+}
+
+/// The bytes of one buffer, allocated once and reused: the pool keeps them behind the
+/// `Arc` that [`SharedBuffer`] shares, so neither taking nor sharing a buffer allocates.
+struct Storage {
+    bytes: Vec<u8>,
+    /// Where the aligned bytes begin inside `bytes`.
+    start: usize,
+}
+
+impl Storage {
+    fn aligned(&self) -> &[u8] {
+        &self.bytes[self.start..]
+    }
 }
 
 fn pool() -> &'static Pool {
@@ -58,20 +72,35 @@ fn class_of(len: usize) -> Option<usize> {
 }
 
 /// Room for `capacity` bytes starting on an [`ALIGN`] boundary.
-fn aligned_storage(capacity: usize) -> Vec<u8> {
-    vec![0u8; capacity + ALIGN]
+fn aligned_storage(capacity: usize) -> Arc<Storage> {
+    let bytes = vec![0u8; capacity + ALIGN];
+    let start = bytes.as_ptr().align_offset(ALIGN);
+    Arc::new(Storage { bytes, start })
 }
 
-/// Where the aligned part of `storage` starts.
-fn aligned_start(storage: &[u8]) -> usize {
-    storage.as_ptr().align_offset(ALIGN)
+#[cfg(test)]
+thread_local! {
+    /// Buffers given back to the pool by this thread (tests run on threads of their own).
+    static GIVEN_BACK_HERE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Gives `storage` back to its class, unless the class keeps enough idle.
+fn give_back(class: usize, storage: Arc<Storage>) {
+    #[cfg(test)]
+    GIVEN_BACK_HERE.with(|n| n.set(n.get() + 1));
+    let mut idle = pool().classes[class]
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if may_keep_another(idle.len(), storage.bytes.len()) {
+        idle.push(storage);
+    }
 }
 
 /// A buffer of a requested length, returned to the pool when dropped.
 pub struct Buffer {
-    storage: Vec<u8>,
-    /// Where the aligned bytes begin inside `storage`.
-    start: usize,
+    /// Only this buffer refers to it, so it can be written. `None` only once shared or
+    /// dropped.
+    storage: Option<Arc<Storage>>,
     len: usize,
     class: Option<usize>,
 }
@@ -90,8 +119,7 @@ impl Buffer {
             })
             .unwrap_or_else(|| aligned_storage(class.map_or(len, |c| SMALLEST_CLASS << c)));
         Buffer {
-            start: aligned_start(&storage),
-            storage,
+            storage: Some(storage),
             len,
             class,
         }
@@ -113,32 +141,129 @@ impl Buffer {
     }
 
     /// Shares the buffer as `Bytes`; it returns to the pool when the last clone is dropped.
+    /// (`Bytes` boxes its owner: [`Buffer::share`] does not allocate.)
     pub fn into_bytes(self) -> Bytes {
         Bytes::from_owner(self)
+    }
+
+    /// Shares the buffer read-only, without an allocation; it returns to the pool when
+    /// the last [`SharedBuffer`] made from it is dropped.
+    pub fn share(mut self) -> SharedBuffer {
+        SharedBuffer {
+            storage: self.storage.take(),
+            start: 0,
+            len: self.len,
+            class: self.class,
+        }
+    }
+
+    fn storage(&self) -> &Storage {
+        self.storage
+            .as_ref()
+            .expect("present until shared or dropped")
     }
 }
 
 impl AsRef<[u8]> for Buffer {
     fn as_ref(&self) -> &[u8] {
-        &self.storage[self.start..self.start + self.len]
+        &self.storage().aligned()[..self.len]
     }
 }
 
 impl AsMut<[u8]> for Buffer {
     fn as_mut(&mut self) -> &mut [u8] {
-        &mut self.storage[self.start..self.start + self.len]
+        let storage = self
+            .storage
+            .as_mut()
+            .and_then(Arc::get_mut)
+            .expect("a Buffer's storage is its own");
+        let start = storage.start;
+        &mut storage.bytes[start..start + self.len]
     }
 }
 
 impl Drop for Buffer {
     fn drop(&mut self) {
-        let Some(class) = self.class else { return };
-        let storage = std::mem::take(&mut self.storage);
-        let mut idle = pool().classes[class]
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        if may_keep_another(idle.len(), storage.len()) {
-            idle.push(storage);
+        if let (Some(class), Some(storage)) = (self.class, self.storage.take()) {
+            give_back(class, storage);
+        }
+    }
+}
+
+/// Bytes of a pooled buffer shared read-only by several holders (the replies to reads
+/// merged into one), like `Bytes` but with no allocation to share or slice it. The
+/// buffer returns to the pool when the last holder is dropped.
+pub struct SharedBuffer {
+    /// `None` only inside `drop`.
+    storage: Option<Arc<Storage>>,
+    /// This view's bytes: `[start, start + len)` of the aligned storage.
+    start: usize,
+    len: usize,
+    class: Option<usize>,
+}
+
+impl SharedBuffer {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The bytes `[start, start + length)` of this view, sharing the buffer.
+    pub fn slice(&self, start: usize, length: usize) -> SharedBuffer {
+        assert!(
+            start + length <= self.len,
+            "{start}+{length} is outside a view of {} bytes",
+            self.len
+        );
+        SharedBuffer {
+            storage: self.storage.clone(),
+            start: self.start + start,
+            len: length,
+            class: self.class,
+        }
+    }
+}
+
+impl Clone for SharedBuffer {
+    fn clone(&self) -> SharedBuffer {
+        self.slice(0, self.len)
+    }
+}
+
+impl std::fmt::Debug for SharedBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SharedBuffer({} bytes)", self.len)
+    }
+}
+
+impl AsRef<[u8]> for SharedBuffer {
+    fn as_ref(&self) -> &[u8] {
+        let storage = self.storage.as_ref().expect("present until dropped");
+        &storage.aligned()[self.start..self.start + self.len]
+    }
+}
+
+impl std::ops::Deref for SharedBuffer {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        self.as_ref()
+    }
+}
+
+impl Drop for SharedBuffer {
+    fn drop(&mut self) {
+        let (Some(class), Some(mut storage)) = (self.class, self.storage.take()) else {
+            return;
+        };
+        // The last holder gives the buffer back. Two holders dropping at the same moment
+        // may each see the other and neither give it back: then it is freed, which is
+        // correct, only not reused.
+        if Arc::get_mut(&mut storage).is_some() {
+            give_back(class, storage);
         }
     }
 }
@@ -200,5 +325,73 @@ mod tests {
                 "len {len}"
             );
         }
+    }
+
+    #[test]
+    fn a_shared_buffer_slices_without_copying_and_returns_once_the_last_view_goes() {
+        let len = (1 << 20) + 1;
+        let mut buffer = Buffer::take(len);
+        for (i, b) in buffer.as_mut().iter_mut().enumerate() {
+            *b = (i % 251) as u8;
+        }
+        let address = buffer.as_ref().as_ptr();
+        let shared = buffer.share();
+        assert_eq!(shared.len(), len);
+        assert_eq!(shared.as_ptr(), address, "shared, not copied");
+        let middle = shared.slice(1000, 5000);
+        let inner = middle.slice(10, 20);
+        assert_eq!(inner.as_ptr(), address.wrapping_add(1010));
+        assert!(inner
+            .iter()
+            .enumerate()
+            .all(|(i, &b)| b == ((i + 1010) % 251) as u8));
+        let given_back = || GIVEN_BACK_HERE.with(|n| n.get());
+        let before = given_back();
+        drop(shared);
+        drop(middle);
+        assert_eq!(given_back(), before, "a view is still held");
+        drop(inner);
+        assert_eq!(
+            given_back(),
+            before + 1,
+            "the last view gave the buffer back"
+        );
+        // Reused (unless a test on another thread took it first) and writable again.
+        let mut again = Buffer::take(len);
+        if again.as_ref().as_ptr() == address {
+            assert!(again.as_ref()[..251]
+                .iter()
+                .enumerate()
+                .all(|(i, &b)| b == i as u8));
+        }
+        again.as_mut().fill(1);
+    }
+
+    #[test]
+    #[should_panic(expected = "outside a view")]
+    fn a_slice_past_the_view_is_refused() {
+        Buffer::take(100).share().slice(50, 51);
+    }
+
+    #[test]
+    fn views_dropped_on_several_threads_at_once_leave_every_pooled_buffer_writable() {
+        // A buffer is given back only by the holder that finds itself the last one, so a
+        // buffer taken from the pool is never still shared: writing it would panic.
+        let len = 3 * 4096;
+        std::thread::scope(|scope| {
+            for _ in 0..4 {
+                scope.spawn(move || {
+                    for round in 0..5_000u32 {
+                        let mut buffer = Buffer::take(len);
+                        buffer.as_mut().fill(round as u8);
+                        let shared = buffer.share();
+                        let other = shared.slice(4096, 4096);
+                        let handle = std::thread::spawn(move || drop(other));
+                        drop(shared);
+                        handle.join().unwrap();
+                    }
+                });
+            }
+        });
     }
 }

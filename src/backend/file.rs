@@ -20,7 +20,7 @@ use bytes::Bytes;
 use rustix::fs::FallocateFlags;
 
 use super::range_lock::RangeLocks;
-use super::uring::{Ring, RWF_DSYNC};
+use super::uring::{Ring, WriteData, RWF_DSYNC};
 use super::{
     Backend, BackendError, BackendFuture, CacheMode, Capabilities, Extent, ReadData, ZeroFlags,
 };
@@ -330,7 +330,7 @@ impl FileBackend {
     async fn write_through_ring(
         &self,
         offset: u64,
-        data: Bytes,
+        data: WriteData,
         fua: bool,
     ) -> Result<(), BackendError> {
         let flags = if fua { RWF_DSYNC } else { 0 };
@@ -343,7 +343,7 @@ impl FileBackend {
                 .write(
                     &self.file,
                     offset + done as u64,
-                    data.slice(done..end),
+                    data.slice(done, end - done),
                     flags,
                 )
                 .await
@@ -413,11 +413,11 @@ impl FileBackend {
     /// it does not start on one.
     async fn write_blocks(&self, offset: u64, data: Bytes, fua: bool) -> Result<(), BackendError> {
         let data = if data.as_ptr() as usize % self.memory_align == 0 {
-            data
+            WriteData::from(data)
         } else {
             let mut aligned = Buffer::take(data.len());
             aligned.as_mut().copy_from_slice(&data);
-            aligned.into_bytes()
+            WriteData::from(aligned.share())
         };
         self.write_through_ring(offset, data, fua).await
     }
@@ -449,7 +449,7 @@ impl FileBackend {
             blocks.as_mut()[span - block..].copy_from_slice(last.as_ref());
         }
         blocks.as_mut()[head..tail].copy_from_slice(&data);
-        self.write_through_ring(start, blocks.into_bytes(), fua)
+        self.write_through_ring(start, blocks.share().into(), fua)
             .await
     }
 
@@ -607,7 +607,7 @@ impl Backend for FileBackend {
         self.nowait_tries
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         read_without_blocking(&self.file, offset, length)
-            .map(|buffer| Ok(ReadData::dense(buffer.into_bytes())))
+            .map(|buffer| Ok(ReadData::dense(buffer.share())))
     }
 
     fn read_declined(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
@@ -630,7 +630,7 @@ impl Backend for FileBackend {
                 .read_into(start, Buffer::take((end - start) as usize))
                 .await?;
             let head = (offset - start) as usize;
-            let data = blocks.into_bytes().slice(head..head + length);
+            let data = blocks.share().slice(head, length);
             Ok(ReadData {
                 data: data.into(),
                 runs,
@@ -662,7 +662,7 @@ impl Backend for FileBackend {
             let length = data.len() as u64;
             if self.cache == CacheMode::Writeback {
                 // FUA waits for the device: that wait belongs in io_uring's workers.
-                self.write_through_ring(offset, data, fua).await?;
+                self.write_through_ring(offset, data.into(), fua).await?;
             } else if offset % self.block == 0 && length % self.block == 0 {
                 let _held = self.lock_shared(offset, length).await;
                 self.write_blocks(offset, data, fua).await?;

@@ -21,6 +21,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
+use crate::buffer::SharedBuffer;
 use crate::size::parse_size;
 use crate::wire::{transmission_flags as tf, NbdError};
 use page_pool::PageBuf;
@@ -163,6 +164,9 @@ pub enum Pieces {
     /// server's samples on 4 KiB random reads at QD32 (`perf`), where dropping a `Pieces`
     /// is now 0.25%.
     Page(PagePart),
+    /// Part of a pooled buffer a backend read into (a file export's read), shared by the
+    /// replies to reads merged into it: as a `Bytes` it too needed a boxed owner per read.
+    Pooled(SharedBuffer),
 }
 
 /// `len` bytes of a page from `start` on.
@@ -202,6 +206,7 @@ impl Pieces {
             Pieces::One(one) => (std::slice::from_ref(one), None),
             Pieces::Many(many) => (many, None),
             Pieces::Page(part) => (&[], Some(part.bytes())),
+            Pieces::Pooled(shared) => (&[], Some(&shared[..])),
         };
         Slices {
             buffers: buffers.iter(),
@@ -214,6 +219,7 @@ impl Pieces {
             Pieces::One(one) => one.len(),
             Pieces::Many(many) => many.iter().map(Bytes::len).sum(),
             Pieces::Page(part) => part.len,
+            Pieces::Pooled(shared) => shared.len(),
         }
     }
 
@@ -226,6 +232,7 @@ impl Pieces {
         match self {
             Pieces::One(one) => one.clone(),
             Pieces::Page(part) => Bytes::from(part.clone()),
+            Pieces::Pooled(shared) => Bytes::from_owner(shared.clone()),
             Pieces::Many(many) => {
                 let mut all = Vec::with_capacity(self.len());
                 for piece in many {
@@ -250,6 +257,7 @@ impl Pieces {
                     len: length,
                 })
             }
+            Pieces::Pooled(shared) => Pieces::Pooled(shared.slice(start, length)),
             Pieces::Many(many) => {
                 let mut out = Vec::new();
                 let mut at = 0usize;
@@ -284,6 +292,12 @@ impl From<PagePart> for Bytes {
 impl From<Bytes> for Pieces {
     fn from(bytes: Bytes) -> Pieces {
         Pieces::One(bytes)
+    }
+}
+
+impl From<SharedBuffer> for Pieces {
+    fn from(shared: SharedBuffer) -> Pieces {
+        Pieces::Pooled(shared)
     }
 }
 
@@ -634,6 +648,28 @@ mod tests {
         assert_eq!(Arc::strong_count(&page), 3);
         drop((part, inner));
         assert_eq!(Arc::strong_count(&page), 1);
+    }
+
+    #[test]
+    fn a_pooled_part_slices_shares_its_buffer_and_compares_by_content() {
+        let all: Vec<u8> = (0..3 * 4096).map(|i| (i % 251) as u8).collect();
+        let mut buffer = crate::buffer::Buffer::take(all.len());
+        buffer.as_mut().copy_from_slice(&all);
+        let address = buffer.as_ref().as_ptr();
+        let whole = Pieces::from(buffer.share());
+        assert_eq!(whole.len(), all.len());
+        assert_eq!(whole, Pieces::from(Bytes::copy_from_slice(&all)));
+        let part = whole.slice(1000, 4096);
+        assert!(
+            matches!(&part, Pieces::Pooled(shared) if shared.as_ptr() == address.wrapping_add(1000)),
+            "a part of a pooled buffer points into it"
+        );
+        assert_eq!(part.slices().collect::<Vec<_>>(), [&all[1000..5096]]);
+        assert_eq!(&part.slice(96, 4000).to_bytes()[..], &all[1096..5096]);
+        assert_eq!(
+            ReadData::dense(Bytes::copy_from_slice(&all)).slice(1000, 4096),
+            ReadData::dense(part)
+        );
     }
 
     #[test]

@@ -47,7 +47,7 @@ use tokio::io::Interest;
 use tokio::sync::{oneshot, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 
-use crate::buffer::Buffer;
+use crate::buffer::{Buffer, SharedBuffer};
 
 /// Submission queue entries; a full queue is submitted and reused.
 const SUBMISSION_ENTRIES: u32 = 256;
@@ -91,8 +91,8 @@ pub fn plugged<R>(work: impl FnOnce() -> R) -> R {
                 d.get()
             });
             if depth == 0 {
-                let rings = PLUGGED_RINGS.with(|r| std::mem::take(&mut *r.borrow_mut()));
-                for ring in rings {
+                // One at a time, so the list keeps its room and a plug allocates nothing.
+                while let Some(ring) = PLUGGED_RINGS.with(|r| r.borrow_mut().pop()) {
                     ring.lock().submit_and_reap();
                 }
             }
@@ -143,11 +143,52 @@ struct Completion {
     buffer: Option<Buffer>,
 }
 
+/// The bytes a write takes: shared `Bytes` (a payload as it arrived), or a pooled buffer
+/// (a payload copied into alignment for direct I/O), which is shared without an
+/// allocation.
+pub enum WriteData {
+    Shared(Bytes),
+    Pooled(SharedBuffer),
+}
+
+impl WriteData {
+    /// The bytes `[start, start + length)`, sharing the buffer.
+    pub fn slice(&self, start: usize, length: usize) -> WriteData {
+        match self {
+            WriteData::Shared(bytes) => WriteData::Shared(bytes.slice(start..start + length)),
+            WriteData::Pooled(shared) => WriteData::Pooled(shared.slice(start, length)),
+        }
+    }
+}
+
+impl std::ops::Deref for WriteData {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            WriteData::Shared(bytes) => bytes,
+            WriteData::Pooled(shared) => shared,
+        }
+    }
+}
+
+impl From<Bytes> for WriteData {
+    fn from(bytes: Bytes) -> WriteData {
+        WriteData::Shared(bytes)
+    }
+}
+
+impl From<SharedBuffer> for WriteData {
+    fn from(shared: SharedBuffer) -> WriteData {
+        WriteData::Pooled(shared)
+    }
+}
+
 /// What an entry in flight points at, kept alive until its completion.
 struct Slot {
     done: oneshot::Sender<Completion>,
     buffer: Option<Buffer>,
-    _data: Option<Bytes>,
+    _data: Option<WriteData>,
     _file: Arc<File>,
     _permit: OwnedSemaphorePermit,
 }
@@ -167,6 +208,8 @@ struct RingState {
     /// Entries ever held back (for tests and debugging).
     held_so_far: u64,
     depth: DepthCap,
+    /// Completions collected by one `reap`, kept so each reap allocates nothing.
+    finished: Vec<(usize, i32)>,
 }
 
 /// Keeps a device that completes its requests in batches working on one part of a burst
@@ -329,7 +372,7 @@ impl RingState {
 
     /// Hands every posted completion to its waiter, then lets held entries in.
     fn reap(&mut self) {
-        let mut finished = Vec::new();
+        let mut finished = std::mem::take(&mut self.finished);
         for cqe in self.uring.completion() {
             finished.push((cqe.user_data() as usize, cqe.result()));
         }
@@ -337,7 +380,7 @@ impl RingState {
             self.depth.reaped(self.in_kernel(), finished.len());
         }
         self.handed_out += finished.len() as u64;
-        for (index, result) in finished {
+        for (index, result) in finished.drain(..) {
             let Some(mut slot) = self.slots.get_mut(index).and_then(Option::take) else {
                 continue;
             };
@@ -346,6 +389,7 @@ impl RingState {
             // The waiter may have gone away; the slot (and what it kept alive) drops here.
             let _ = slot.done.send(Completion { result, buffer });
         }
+        self.finished = finished;
         self.release_held(self.depth.cap());
     }
 
@@ -403,7 +447,7 @@ enum Request {
     },
     Write {
         offset: u64,
-        data: Bytes,
+        data: WriteData,
         flags: i32,
     },
     Fsync {
@@ -455,6 +499,7 @@ impl Ring {
                 held: VecDeque::new(),
                 held_so_far: 0,
                 depth: DepthCap::new(depth_cap),
+                finished: Vec::new(),
             }),
             submit_wanted: Notify::new(),
             hand_off_until: AtomicU64::new(0),
@@ -480,14 +525,14 @@ impl Ring {
         self: &Arc<Self>,
         file: &Arc<File>,
         offset: u64,
-        data: Bytes,
+        data: impl Into<WriteData>,
         flags: i32,
     ) -> io::Result<usize> {
         self.submit(
             file,
             Request::Write {
                 offset,
-                data,
+                data: data.into(),
                 flags,
             },
         )
@@ -717,8 +762,9 @@ impl Ring {
             return Ok(());
         }
         loop {
-            // SAFETY: the entry points at memory owned by slot `index` (a pooled buffer or
-            // a `Bytes`, both heap storage that does not move when the slot moves) and at a
+            // SAFETY: the entry points at memory owned by slot `index` (a pooled buffer,
+            // shared or not, or a `Bytes`: heap storage that does not move when the slot
+            // moves) and at a
             // file the slot holds open. The slot is only emptied in `reap`, after the kernel
             // posted this entry's completion, so everything stays valid while the kernel
             // may touch it. `in_flight` permits keep entries within the completion queue.

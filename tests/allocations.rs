@@ -156,7 +156,8 @@ fn file_export(dir: &tempfile::TempDir, cache: CacheMode) -> Arc<dyn Backend> {
 /// (a box: the `Backend` trait returns them so) and the ring's completion channel. Before
 /// session 32 a probe on the server's `malloc` (`perf probe`) counted 1 per page-cache read
 /// and 6 per `--cache=none` request, and this test 1.0, 1.8 and 7.5 (its client is slower,
-/// so fewer replies share a `writev`).
+/// so fewer replies share a `writev`); now 0 to 0.03 and 2.0 to 2.05. The bounds leave room
+/// for that noise and still fail on one more allocation per request.
 #[test]
 fn requests_on_the_hot_path_allocate_nothing_or_a_bounded_few() {
     let dir = tempfile::tempdir().unwrap();
@@ -165,37 +166,37 @@ fn requests_on_the_hot_path_allocate_nothing_or_a_bounded_few() {
             "memory",
             Arc::new(MemoryBackend::new(64 << 20, false)),
             "write",
-            0.05,
+            0.1,
         ),
         (
             "memory",
             Arc::new(MemoryBackend::new(64 << 20, false)),
             "read",
-            0.05,
+            0.1,
         ),
         (
             "page cache",
             file_export(&dir, CacheMode::Writeback),
             "read",
-            0.05,
+            0.1,
         ),
         (
             "page cache",
             file_export(&dir, CacheMode::Writeback),
             "write",
-            0.05,
+            0.1,
         ),
         (
             "--cache=none",
             file_export(&dir, CacheMode::None),
             "read",
-            2.2,
+            2.5,
         ),
         (
             "--cache=none",
             file_export(&dir, CacheMode::None),
             "write",
-            2.2,
+            2.5,
         ),
     ];
     let mut over = Vec::new();

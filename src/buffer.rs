@@ -98,11 +98,9 @@ fn give_back(class: usize, storage: Arc<Storage>) {
 
 /// A buffer of a requested length, returned to the pool when dropped.
 pub struct Buffer {
-    /// Only this buffer refers to it, so it can be written. `None` only once shared or
-    /// dropped.
-    storage: Option<Arc<Storage>>,
-    len: usize,
-    class: Option<usize>,
+    /// A view of the whole buffer that nothing else shares (so it can be written); its
+    /// drop gives the buffer back.
+    whole: SharedBuffer,
 }
 
 impl Buffer {
@@ -119,9 +117,12 @@ impl Buffer {
             })
             .unwrap_or_else(|| aligned_storage(class.map_or(len, |c| SMALLEST_CLASS << c)));
         Buffer {
-            storage: Some(storage),
-            len,
-            class,
+            whole: SharedBuffer {
+                storage: Some(storage),
+                start: 0,
+                len,
+                class,
+            },
         }
     }
 
@@ -133,60 +134,43 @@ impl Buffer {
     }
 
     pub fn len(&self) -> usize {
-        self.len
+        self.whole.len
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.whole.len == 0
     }
 
     /// Shares the buffer as `Bytes`; it returns to the pool when the last clone is dropped.
     /// (`Bytes` boxes its owner: [`Buffer::share`] does not allocate.)
     pub fn into_bytes(self) -> Bytes {
-        Bytes::from_owner(self)
+        Bytes::from_owner(self.whole)
     }
 
     /// Shares the buffer read-only, without an allocation; it returns to the pool when
     /// the last [`SharedBuffer`] made from it is dropped.
-    pub fn share(mut self) -> SharedBuffer {
-        SharedBuffer {
-            storage: self.storage.take(),
-            start: 0,
-            len: self.len,
-            class: self.class,
-        }
-    }
-
-    fn storage(&self) -> &Storage {
-        self.storage
-            .as_ref()
-            .expect("present until shared or dropped")
+    pub fn share(self) -> SharedBuffer {
+        self.whole
     }
 }
 
 impl AsRef<[u8]> for Buffer {
     fn as_ref(&self) -> &[u8] {
-        &self.storage().aligned()[..self.len]
+        self.whole.as_ref()
     }
 }
 
 impl AsMut<[u8]> for Buffer {
     fn as_mut(&mut self) -> &mut [u8] {
+        let len = self.whole.len;
         let storage = self
+            .whole
             .storage
             .as_mut()
             .and_then(Arc::get_mut)
             .expect("a Buffer's storage is its own");
         let start = storage.start;
-        &mut storage.bytes[start..start + self.len]
-    }
-}
-
-impl Drop for Buffer {
-    fn drop(&mut self) {
-        if let (Some(class), Some(storage)) = (self.class, self.storage.take()) {
-            give_back(class, storage);
-        }
+        &mut storage.bytes[start..start + len]
     }
 }
 

@@ -6,6 +6,7 @@
 //! described by [`Capabilities`], which map one-to-one onto NBD transmission flags in
 //! [`Capabilities::transmission_flags`].
 
+mod answer;
 pub mod file;
 pub mod memory;
 pub mod page_pool;

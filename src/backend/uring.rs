@@ -9,8 +9,8 @@
 //! connections of QD1 O_DIRECT writes reached 26k/s against qemu-nbd's 76k/s, which
 //! submits in batches.
 //! Completions that arrive later signal an eventfd registered with the ring; a reaper task
-//! on the tokio reactor drains them and hands each result to its waiter through a oneshot
-//! channel. (Not `IORING_REGISTER_EVENTFD_ASYNC`: it stays silent for completions the
+//! on the tokio reactor drains them and hands each result to its waiter through a pooled
+//! one-shot cell ([`super::answer`]). (Not `IORING_REGISTER_EVENTFD_ASYNC`: it stays silent for completions the
 //! kernel posts as task work in the submitting thread, such as buffered writes finished by
 //! an io-wq worker, and a waiter then hangs. A unit test caught it.)
 //!
@@ -44,9 +44,10 @@ use bytes::Bytes;
 use io_uring::{opcode, squeue, types, IoUring};
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
-use tokio::sync::{oneshot, Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 
+use super::answer::{AnswerPool, AnswerSender};
 use crate::buffer::{Buffer, SharedBuffer};
 
 /// Submission queue entries; a full queue is submitted and reused.
@@ -186,7 +187,7 @@ impl From<SharedBuffer> for WriteData {
 
 /// What an entry in flight points at, kept alive until its completion.
 struct Slot {
-    done: oneshot::Sender<Completion>,
+    done: AnswerSender<Completion>,
     buffer: Option<Buffer>,
     _data: Option<WriteData>,
     _file: Arc<File>,
@@ -387,7 +388,7 @@ impl RingState {
             self.free.push(index);
             let buffer = slot.buffer.take();
             // The waiter may have gone away; the slot (and what it kept alive) drops here.
-            let _ = slot.done.send(Completion { result, buffer });
+            slot.done.send(Completion { result, buffer });
         }
         self.finished = finished;
         self.release_held(self.depth.cap());
@@ -424,6 +425,8 @@ impl RingState {
 /// An io_uring instance shared by the tasks of one runtime.
 pub struct Ring {
     state: Mutex<RingState>,
+    /// Where completions wait for their requests.
+    answers: AnswerPool<Completion>,
     eventfd: OwnedFd,
     in_flight: Arc<Semaphore>,
     /// Wakes the reaper to submit queued entries.
@@ -501,6 +504,7 @@ impl Ring {
                 depth: DepthCap::new(depth_cap),
                 finished: Vec::new(),
             }),
+            answers: AnswerPool::default(),
             submit_wanted: Notify::new(),
             hand_off_until: AtomicU64::new(0),
             born: Instant::now(),
@@ -575,7 +579,7 @@ impl Ring {
             Ok(permit) => permit,
             Err(_) => return (Err(io::Error::other("the ring is closed")), None),
         };
-        let (done, answer) = oneshot::channel();
+        let (done, answer) = self.answers.channel();
         let fd = types::Fd(file.as_raw_fd());
         let (entry, buffer, data) = match request {
             Request::Read { offset, mut buffer } => {

@@ -594,7 +594,7 @@ impl Backend for FileBackend {
 
     fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
         match self.read_at_once(offset, length) {
-            Some(done) => Box::pin(std::future::ready(done)),
+            Some(done) => super::inline_backend_future(std::future::ready(done)),
             None => self.read_declined(offset, length),
         }
     }
@@ -611,7 +611,7 @@ impl Backend for FileBackend {
     }
 
     fn read_declined(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
-        Box::pin(async move {
+        super::inline_backend_future(async move {
             let dense: super::Runs = smallvec::smallvec![(length, false)];
             // Holes read as zeroes anyway; knowing where they are lets the reply skip them.
             let runs = if length >= HOLE_QUERY_MIN && !self.block_device {
@@ -655,7 +655,7 @@ impl Backend for FileBackend {
     }
 
     fn write(&self, offset: u64, data: Bytes, fua: bool) -> BackendFuture<'_, ()> {
-        Box::pin(async move {
+        super::inline_backend_future(async move {
             if let Some(done) = self.write_inline(offset, &data, fua) {
                 return done;
             }
@@ -694,7 +694,7 @@ impl Backend for FileBackend {
     }
 
     fn flush(&self) -> BackendFuture<'_, ()> {
-        Box::pin(async move {
+        super::inline_backend_future(async move {
             if self.cache == CacheMode::Writeback {
                 self.behind.flush_seen();
             }
@@ -711,7 +711,7 @@ impl Backend for FileBackend {
     }
 
     fn trim(&self, offset: u64, length: u64, fua: bool) -> BackendFuture<'_, ()> {
-        Box::pin(async move {
+        super::backend_future(async move {
             let _held = self.lock_shared(offset, length).await;
             let discarded = self
                 .blocking("trim", offset, length, move |file| {
@@ -733,7 +733,7 @@ impl Backend for FileBackend {
 
     fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> BackendFuture<'_, ()> {
         let block_device = self.block_device;
-        Box::pin(async move {
+        super::backend_future(async move {
             let held = self.lock_shared(offset, length).await;
             let zeroed = self
                 .blocking("write zeroes", offset, length, move |file| {
@@ -769,14 +769,14 @@ impl Backend for FileBackend {
     }
 
     fn cache(&self, offset: u64, length: u64) -> BackendFuture<'_, ()> {
-        Box::pin(self.blocking("cache", offset, length, move |file| {
+        super::backend_future(self.blocking("cache", offset, length, move |file| {
             rustix::fs::fadvise(file, offset, length, rustix::fs::Advice::WillNeed).map_err(errno)
         }))
     }
 
     fn extents(&self, offset: u64, length: u64) -> BackendFuture<'_, Vec<Extent>> {
         let block_device = self.block_device;
-        Box::pin(self.blocking("block status", offset, length, move |file| {
+        super::backend_future(self.blocking("block status", offset, length, move |file| {
             if block_device {
                 return Ok(vec![Extent {
                     length,

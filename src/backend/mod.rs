@@ -1,8 +1,9 @@
 //! The one storage interface every export goes through, and its implementations.
 //!
-//! A [`Backend`] takes owned buffers and returns boxed futures, so an engine can keep a
-//! buffer while the I/O is in flight (io_uring) and layers (replication, fault injection)
-//! can wrap any backend the way nbdkit filters wrap plugins. What a backend can do is
+//! A [`Backend`] takes owned buffers and returns type-erased futures ([`BackendFuture`],
+//! held inline, not boxed, when they fit), so an engine can keep a buffer while the I/O
+//! is in flight (io_uring) and layers (replication, fault injection) can wrap any backend
+//! the way nbdkit filters wrap plugins. What a backend can do is
 //! described by [`Capabilities`], which map one-to-one onto NBD transmission flags in
 //! [`Capabilities::transmission_flags`].
 
@@ -17,18 +18,41 @@ pub mod uring;
 
 use std::future::Future;
 use std::path::PathBuf;
-use std::pin::Pin;
 use std::sync::Arc;
 
 use bytes::Bytes;
+use stackfuture::StackFuture;
 
 use crate::buffer::SharedBuffer;
 use crate::size::parse_size;
 use crate::wire::{transmission_flags as tf, NbdError};
 use page_pool::PageBuf;
 
-/// A boxed future returned by backend operations.
-pub type BackendFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, BackendError>> + Send + 'a>>;
+/// The future a backend operation returns: held inline in [`BACKEND_FUTURE_ROOM`] bytes
+/// (`stackfuture`), so that an operation allocates nothing for it, or on the heap when it
+/// is larger (see [`backend_future`]).
+pub type BackendFuture<'a, T> = StackFuture<'a, Result<T, BackendError>, BACKEND_FUTURE_ROOM>;
+
+/// Bytes a [`BackendFuture`] holds inline: room for the file backend's read, write and
+/// flush under `--cache=none`, which run once per request (a read takes 552 bytes, a
+/// write 744, a flush 288). Wrapping layers (replication, fault injection) hold a whole inner
+/// `BackendFuture` and go on the heap.
+pub const BACKEND_FUTURE_ROOM: usize = 768;
+
+/// `future` as a [`BackendFuture`]: inline when it fits, else boxed.
+pub fn backend_future<'a, T>(
+    future: impl Future<Output = Result<T, BackendError>> + Send + 'a,
+) -> BackendFuture<'a, T> {
+    StackFuture::from_or_box(future)
+}
+
+/// `future` as a [`BackendFuture`] that must fit inline: a future of the hot path that
+/// grew past [`BACKEND_FUTURE_ROOM`] fails to compile instead of quietly allocating.
+pub fn inline_backend_future<'a, T>(
+    future: impl Future<Output = Result<T, BackendError>> + Send + 'a,
+) -> BackendFuture<'a, T> {
+    StackFuture::from(future)
+}
 
 /// An I/O failure with what was being done when it happened.
 #[derive(Debug, thiserror::Error)]

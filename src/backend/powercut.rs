@@ -190,7 +190,7 @@ impl Backend for PowerCut {
     }
 
     fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
-        Box::pin(async move {
+        super::backend_future(async move {
             let state = self.state.lock().await;
             if state.cut {
                 return Err(Self::powered_off("read", offset, length as u64));
@@ -228,11 +228,11 @@ impl Backend for PowerCut {
             length: data.len() as u64,
             data: Some(data),
         };
-        Box::pin(self.change("write", change, fua))
+        super::backend_future(self.change("write", change, fua))
     }
 
     fn flush(&self) -> BackendFuture<'_, ()> {
-        Box::pin(async move {
+        super::backend_future(async move {
             let mut state = self.state.lock().await;
             if state.cut {
                 return Err(Self::powered_off("flush", 0, 0));
@@ -251,7 +251,7 @@ impl Backend for PowerCut {
             length,
             data: None,
         };
-        Box::pin(self.change("trim", change, fua))
+        super::backend_future(self.change("trim", change, fua))
     }
 
     fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> BackendFuture<'_, ()> {
@@ -260,7 +260,7 @@ impl Backend for PowerCut {
             length,
             data: None,
         };
-        Box::pin(self.change("write zeroes", change, flags.fua))
+        super::backend_future(self.change("write zeroes", change, flags.fua))
     }
 
     fn cache(&self, offset: u64, length: u64) -> BackendFuture<'_, ()> {
@@ -268,7 +268,7 @@ impl Backend for PowerCut {
     }
 
     fn extents(&self, offset: u64, length: u64) -> BackendFuture<'_, Vec<Extent>> {
-        Box::pin(async move {
+        super::backend_future(async move {
             let state = self.state.lock().await;
             let end = offset + length;
             if state

@@ -55,7 +55,7 @@ use super::in_flight::InFlight;
 use super::validate::{validate, Command, Limits};
 use super::Stream;
 use crate::backend::splice::Spliced;
-use crate::backend::{Backend, BackendError, BackendFuture, Pieces, ReadData, ZeroFlags};
+use crate::backend::{Backend, BackendError, Pieces, ReadData, ZeroFlags};
 use crate::buffer::{Buffer, MIN_POOLED};
 use crate::wire::transmission::{ReplyEncoder, ReplyStyle, RequestHeader, RequestStyle};
 use crate::wire::{cmd, NbdError, BASE_ALLOCATION_ID, MAX_PAYLOAD};
@@ -141,8 +141,13 @@ struct LaterPiece {
     /// With structured replies, the piece is a chunk of its own, whose header is written
     /// once its data is ready; with a simple reply it has no header.
     chunk: Option<ReplyEncoder>,
-    reading: Option<BackendFuture<'static, ReadData>>,
+    /// The piece's read, once started: on the heap, since it holds the backend (a piece of
+    /// a large read is rare next to the data it carries).
+    reading: Option<PieceRead>,
 }
+
+/// A piece's read in flight.
+type PieceRead = Pin<Box<dyn Future<Output = Result<ReadData, BackendError>> + Send>>;
 
 impl Outgoing {
     /// A message with its data (if any) in memory.
@@ -1623,7 +1628,7 @@ mod tests {
             self.reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             if self.fail_read_at == Some(offset) {
                 let error = BackendError::plain("read", offset, length as u64, NbdError::Io);
-                return Box::pin(std::future::ready(Err(error)));
+                return crate::backend::backend_future(std::future::ready(Err(error)));
             }
             self.inner.read(offset, length)
         }
@@ -1670,7 +1675,7 @@ mod tests {
             self.writes
                 .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             if let Some(failure) = self.injected_failure(offset, data.len()) {
-                return Box::pin(std::future::ready(Err(failure)));
+                return crate::backend::backend_future(std::future::ready(Err(failure)));
             }
             self.inner.write(offset, data, fua)
         }
@@ -1702,7 +1707,7 @@ mod tests {
             if self.trim_unsupported {
                 let unsupported = std::io::Error::from_raw_os_error(95); // EOPNOTSUPP
                 let error = BackendError::io("trim", offset, length, unsupported);
-                return Box::pin(std::future::ready(Err(error)));
+                return crate::backend::backend_future(std::future::ready(Err(error)));
             }
             self.inner.trim(offset, length, fua)
         }

@@ -22,7 +22,8 @@ use rustix::fs::FallocateFlags;
 use super::range_lock::RangeLocks;
 use super::uring::{Ring, WriteData, RWF_DSYNC};
 use super::{
-    Backend, BackendError, BackendFuture, CacheMode, Capabilities, Extent, ReadData, ZeroFlags,
+    backend_future, inline_backend_future, Backend, BackendError, BackendFuture, CacheMode,
+    Capabilities, Extent, ReadData, ZeroFlags,
 };
 use crate::buffer::{Buffer, ALIGN};
 
@@ -594,7 +595,7 @@ impl Backend for FileBackend {
 
     fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
         match self.read_at_once(offset, length) {
-            Some(done) => super::inline_backend_future(std::future::ready(done)),
+            Some(done) => inline_backend_future(std::future::ready(done)),
             None => self.read_declined(offset, length),
         }
     }
@@ -611,7 +612,7 @@ impl Backend for FileBackend {
     }
 
     fn read_declined(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
-        super::inline_backend_future(async move {
+        inline_backend_future(async move {
             let dense: super::Runs = smallvec::smallvec![(length, false)];
             // Holes read as zeroes anyway; knowing where they are lets the reply skip them.
             let runs = if length >= HOLE_QUERY_MIN && !self.block_device {
@@ -655,7 +656,7 @@ impl Backend for FileBackend {
     }
 
     fn write(&self, offset: u64, data: Bytes, fua: bool) -> BackendFuture<'_, ()> {
-        super::inline_backend_future(async move {
+        inline_backend_future(async move {
             if let Some(done) = self.write_inline(offset, &data, fua) {
                 return done;
             }
@@ -694,7 +695,7 @@ impl Backend for FileBackend {
     }
 
     fn flush(&self) -> BackendFuture<'_, ()> {
-        super::inline_backend_future(async move {
+        inline_backend_future(async move {
             if self.cache == CacheMode::Writeback {
                 self.behind.flush_seen();
             }
@@ -711,7 +712,7 @@ impl Backend for FileBackend {
     }
 
     fn trim(&self, offset: u64, length: u64, fua: bool) -> BackendFuture<'_, ()> {
-        super::backend_future(async move {
+        backend_future(async move {
             let _held = self.lock_shared(offset, length).await;
             let discarded = self
                 .blocking("trim", offset, length, move |file| {
@@ -733,7 +734,7 @@ impl Backend for FileBackend {
 
     fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> BackendFuture<'_, ()> {
         let block_device = self.block_device;
-        super::backend_future(async move {
+        backend_future(async move {
             let held = self.lock_shared(offset, length).await;
             let zeroed = self
                 .blocking("write zeroes", offset, length, move |file| {
@@ -769,14 +770,14 @@ impl Backend for FileBackend {
     }
 
     fn cache(&self, offset: u64, length: u64) -> BackendFuture<'_, ()> {
-        super::backend_future(self.blocking("cache", offset, length, move |file| {
+        backend_future(self.blocking("cache", offset, length, move |file| {
             rustix::fs::fadvise(file, offset, length, rustix::fs::Advice::WillNeed).map_err(errno)
         }))
     }
 
     fn extents(&self, offset: u64, length: u64) -> BackendFuture<'_, Vec<Extent>> {
         let block_device = self.block_device;
-        super::backend_future(self.blocking("block status", offset, length, move |file| {
+        backend_future(self.blocking("block status", offset, length, move |file| {
             if block_device {
                 return Ok(vec![Extent {
                     length,

@@ -22,7 +22,8 @@ use bytes::Bytes;
 
 use super::page_pool::PageBuf;
 use super::{
-    Backend, BackendFuture, Capabilities, Extent, PagePart, PageStore, Pieces, ReadData, ZeroFlags,
+    backend_future, Backend, BackendFuture, Capabilities, Extent, PagePart, PageStore, Pieces,
+    ReadData, ZeroFlags,
 };
 
 /// Bytes per page: the allocation and hole granularity.
@@ -274,7 +275,7 @@ impl Backend for MemoryBackend {
     }
 
     fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
-        super::backend_future(async move { Ok(self.read_now(offset, length)) })
+        backend_future(async move { Ok(self.read_now(offset, length)) })
     }
 
     fn read_at_once(
@@ -286,7 +287,7 @@ impl Backend for MemoryBackend {
     }
 
     fn write(&self, offset: u64, data: Bytes, _fua: bool) -> BackendFuture<'_, ()> {
-        super::backend_future(async move {
+        backend_future(async move {
             self.write_now(offset, &data);
             Ok(())
         })
@@ -303,18 +304,18 @@ impl Backend for MemoryBackend {
     }
 
     fn flush(&self) -> BackendFuture<'_, ()> {
-        super::backend_future(async { Ok(()) })
+        backend_future(async { Ok(()) })
     }
 
     fn trim(&self, offset: u64, length: u64, _fua: bool) -> BackendFuture<'_, ()> {
-        super::backend_future(async move {
+        backend_future(async move {
             self.zero_now(offset, length, true);
             Ok(())
         })
     }
 
     fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> BackendFuture<'_, ()> {
-        super::backend_future(async move {
+        backend_future(async move {
             // Dropping pages is faster than writing; provisioning zeroed pages is not.
             if flags.fast && !flags.may_trim {
                 return Err(super::BackendError::fast_zero_refused(offset, length));
@@ -325,11 +326,11 @@ impl Backend for MemoryBackend {
     }
 
     fn cache(&self, _offset: u64, _length: u64) -> BackendFuture<'_, ()> {
-        super::backend_future(async { Ok(()) })
+        backend_future(async { Ok(()) })
     }
 
     fn extents(&self, offset: u64, length: u64) -> BackendFuture<'_, Vec<Extent>> {
-        super::backend_future(async move { Ok(self.extents_now(offset, length)) })
+        backend_future(async move { Ok(self.extents_now(offset, length)) })
     }
 
     fn page_store(&self) -> Option<&dyn PageStore> {

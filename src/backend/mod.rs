@@ -3,8 +3,8 @@
 //! A [`Backend`] takes owned buffers and returns type-erased futures ([`BackendFuture`],
 //! held inline, not boxed, when they fit), so an engine can keep a buffer while the I/O
 //! is in flight (io_uring) and layers (replication, fault injection) can wrap any backend
-//! the way nbdkit filters wrap plugins. What a backend can do is
-//! described by [`Capabilities`], which map one-to-one onto NBD transmission flags in
+//! the way nbdkit filters wrap plugins. What a backend can do is described by
+//! [`Capabilities`], which map one-to-one onto NBD transmission flags in
 //! [`Capabilities::transmission_flags`].
 
 mod answer;
@@ -35,8 +35,8 @@ pub type BackendFuture<'a, T> = StackFuture<'a, Result<T, BackendError>, BACKEND
 
 /// Bytes a [`BackendFuture`] holds inline: room for the file backend's read, write and
 /// flush under `--cache=none`, which run once per request (a read takes 552 bytes, a
-/// write 744, a flush 288). Wrapping layers (replication, fault injection) hold a whole inner
-/// `BackendFuture` and go on the heap.
+/// write 744, a flush 288). Wrapping layers (replication, fault injection) hold a whole
+/// inner `BackendFuture` and go on the heap.
 pub const BACKEND_FUTURE_ROOM: usize = 768;
 
 /// `future` as a [`BackendFuture`]: inline when it fits, else boxed.

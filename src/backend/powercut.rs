@@ -17,7 +17,9 @@ use std::sync::Arc;
 use bytes::{Bytes, BytesMut};
 use tokio::sync::Mutex;
 
-use super::{Backend, BackendError, BackendFuture, Capabilities, Extent, ReadData, ZeroFlags};
+use super::{
+    backend_future, Backend, BackendError, BackendFuture, Capabilities, Extent, ReadData, ZeroFlags,
+};
 use crate::wire::NbdError;
 
 /// One cached change: data, or zeroes when `data` is `None`.
@@ -190,7 +192,7 @@ impl Backend for PowerCut {
     }
 
     fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
-        super::backend_future(async move {
+        backend_future(async move {
             let state = self.state.lock().await;
             if state.cut {
                 return Err(Self::powered_off("read", offset, length as u64));
@@ -228,11 +230,11 @@ impl Backend for PowerCut {
             length: data.len() as u64,
             data: Some(data),
         };
-        super::backend_future(self.change("write", change, fua))
+        backend_future(self.change("write", change, fua))
     }
 
     fn flush(&self) -> BackendFuture<'_, ()> {
-        super::backend_future(async move {
+        backend_future(async move {
             let mut state = self.state.lock().await;
             if state.cut {
                 return Err(Self::powered_off("flush", 0, 0));
@@ -251,7 +253,7 @@ impl Backend for PowerCut {
             length,
             data: None,
         };
-        super::backend_future(self.change("trim", change, fua))
+        backend_future(self.change("trim", change, fua))
     }
 
     fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> BackendFuture<'_, ()> {
@@ -260,7 +262,7 @@ impl Backend for PowerCut {
             length,
             data: None,
         };
-        super::backend_future(self.change("write zeroes", change, flags.fua))
+        backend_future(self.change("write zeroes", change, flags.fua))
     }
 
     fn cache(&self, offset: u64, length: u64) -> BackendFuture<'_, ()> {
@@ -268,7 +270,7 @@ impl Backend for PowerCut {
     }
 
     fn extents(&self, offset: u64, length: u64) -> BackendFuture<'_, Vec<Extent>> {
-        super::backend_future(async move {
+        backend_future(async move {
             let state = self.state.lock().await;
             let end = offset + length;
             if state

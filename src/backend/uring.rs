@@ -10,9 +10,10 @@
 //! submits in batches.
 //! Completions that arrive later signal an eventfd registered with the ring; a reaper task
 //! on the tokio reactor drains them and hands each result to its waiter through a pooled
-//! one-shot cell ([`super::answer`]). (Not `IORING_REGISTER_EVENTFD_ASYNC`: it stays silent for completions the
-//! kernel posts as task work in the submitting thread, such as buffered writes finished by
-//! an io-wq worker, and a waiter then hangs. A unit test caught it.)
+//! one-shot cell (`backend::answer`). (Not `IORING_REGISTER_EVENTFD_ASYNC`: it stays
+//! silent for completions the kernel posts as task work in the submitting thread, such as
+//! buffered writes finished by an io-wq worker, and a waiter then hangs. A unit test
+//! caught it.)
 //!
 //! A connection that sends one request at a time has its writes and syncs run as plain
 //! system calls on its own thread instead ([`alone`]), which skips those hand-offs.

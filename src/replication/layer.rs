@@ -18,7 +18,7 @@ use super::meta::{MetaError, Metadata, AL_SLOTS, EXTENT_SIZE, REGION_SIZE};
 use super::peer::{PeerConn, Plan, WaitKey};
 use super::wire::{piece_checksums, write_flags, DiskState, Message, ResyncStatus, Role};
 use crate::backend::{
-    Backend, BackendError, BackendFuture, Capabilities, Extent, ReadData, ZeroFlags,
+    backend_future, Backend, BackendError, BackendFuture, Capabilities, Extent, ReadData, ZeroFlags,
 };
 use crate::tcp::TcpSettings;
 use crate::wire::NbdError;
@@ -1000,7 +1000,7 @@ impl Backend for ReplicatedBackend {
     }
 
     fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
-        crate::backend::backend_future(async move {
+        backend_future(async move {
             match self.shared.local.read(offset, length).await {
                 Ok(data) => Ok(data),
                 Err(e) if self.shared.is_primary() => {
@@ -1022,7 +1022,7 @@ impl Backend for ReplicatedBackend {
     }
 
     fn write(&self, offset: u64, data: Bytes, fua: bool) -> BackendFuture<'_, ()> {
-        crate::backend::backend_future(async move {
+        backend_future(async move {
             let length = data.len() as u64;
             let flags = if fua { write_flags::FUA } else { 0 };
             let local_data = data.clone();
@@ -1039,12 +1039,12 @@ impl Backend for ReplicatedBackend {
     }
 
     fn flush(&self) -> BackendFuture<'_, ()> {
-        crate::backend::backend_future(self.shared.flush_all())
+        backend_future(self.shared.flush_all())
     }
 
     fn trim(&self, offset: u64, length: u64, fua: bool) -> BackendFuture<'_, ()> {
         let flags = if fua { write_flags::FUA } else { 0 };
-        crate::backend::backend_future(self.shared.replicate_in_pieces(
+        backend_future(self.shared.replicate_in_pieces(
             "trim",
             offset,
             length,
@@ -1070,7 +1070,7 @@ impl Backend for ReplicatedBackend {
             fast: false,
             ..zero
         };
-        crate::backend::backend_future(self.shared.replicate_in_pieces(
+        backend_future(self.shared.replicate_in_pieces(
             "write_zeroes",
             offset,
             length,

@@ -24,7 +24,7 @@ use super::outbox::Outbox;
 use super::wire::{
     piece_checksums, write_flags, DiskState, Hello, Message, ResyncStatus, Role, PROTOCOL_VERSION,
 };
-use crate::backend::{BackendFuture, ZeroFlags};
+use crate::backend::{backend_future, BackendFuture, ZeroFlags};
 
 /// What a reply is waited for under.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -625,7 +625,7 @@ async fn handle<'a>(
             let fits = in_range(size, offset, data.len() as u64);
             let length = data.len() as u64;
             let shared = Arc::clone(shared);
-            applying.push(crate::backend::backend_future(async move {
+            applying.push(backend_future(async move {
                 let result = if fits {
                     apply_logged(&shared, offset, length, || {
                         local.write(offset, data, flags & write_flags::FUA != 0)
@@ -652,7 +652,7 @@ async fn handle<'a>(
             }
             let fits = in_range(size, offset, length);
             let shared = Arc::clone(shared);
-            applying.push(crate::backend::backend_future(async move {
+            applying.push(backend_future(async move {
                 let result = if fits {
                     apply_logged(&shared, offset, length, || {
                         local.trim(offset, length, flags & write_flags::FUA != 0)
@@ -684,7 +684,7 @@ async fn handle<'a>(
                 fua: flags & write_flags::FUA != 0,
             };
             let shared = Arc::clone(shared);
-            applying.push(crate::backend::backend_future(async move {
+            applying.push(backend_future(async move {
                 let result = if fits {
                     apply_logged(&shared, offset, length, || {
                         local.write_zeroes(offset, length, zero)
@@ -712,7 +712,7 @@ async fn handle<'a>(
             // peer), and a later barrier waits for this one.
             let mut before = std::mem::take(applying);
             let conn = Arc::clone(conn);
-            applying.push(crate::backend::backend_future(async move {
+            applying.push(backend_future(async move {
                 while let Some(reply) = before.next().await {
                     if let Ok(reply) = reply {
                         conn.send(reply);
@@ -727,7 +727,7 @@ async fn handle<'a>(
         }
         Message::ReadRequest { id, offset, length } => {
             let fits = in_range(size, offset, u64::from(length));
-            applying.push(crate::backend::backend_future(async move {
+            applying.push(backend_future(async move {
                 let result = if fits {
                     local.read(offset, length as usize).await
                 } else {
@@ -756,7 +756,7 @@ async fn handle<'a>(
         } => {
             must_be_target("a resync checksum")?;
             let fits = in_range(size, offset, u64::from(length));
-            applying.push(crate::backend::backend_future(async move {
+            applying.push(backend_future(async move {
                 if !fits {
                     let status = ResyncStatus::Failed(crate::wire::NbdError::Inval.code());
                     return Ok(Message::ResyncReply { id, status });
@@ -777,7 +777,7 @@ async fn handle<'a>(
         Message::ResyncData { id, offset, data } => {
             must_be_target("resync data")?;
             let fits = in_range(size, offset, data.len() as u64);
-            applying.push(crate::backend::backend_future(async move {
+            applying.push(backend_future(async move {
                 // Made durable by the barrier the source sends before it clears the bit.
                 let result = if fits {
                     local.write(offset, data, false).await
@@ -793,7 +793,7 @@ async fn handle<'a>(
         }
         Message::ChecksumRequest { id, offset, length } => {
             let fits = in_range(size, offset, u64::from(length));
-            applying.push(crate::backend::backend_future(async move {
+            applying.push(backend_future(async move {
                 let result = if fits {
                     local.read(offset, length as usize).await
                 } else {

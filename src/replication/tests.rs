@@ -15,7 +15,7 @@ use super::meta::Metadata;
 use super::peer::run_replication;
 use crate::backend::memory::MemoryBackend;
 use crate::backend::{
-    Backend, BackendError, BackendFuture, Capabilities, Extent, ReadData, ZeroFlags,
+    backend_future, Backend, BackendError, BackendFuture, Capabilities, Extent, ReadData, ZeroFlags,
 };
 use crate::tcp::TcpSettings;
 use crate::wire::NbdError;
@@ -38,7 +38,7 @@ impl Backend for BadSector {
     }
     fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
         if offset < 65536 && self.bad.load(Ordering::Acquire) {
-            return crate::backend::backend_future(async move {
+            return backend_future(async move {
                 Err(BackendError::plain(
                     "read",
                     offset,
@@ -500,7 +500,7 @@ impl Backend for OrderRecorder {
         self.inner.read(offset, length)
     }
     fn write(&self, offset: u64, data: Bytes, fua: bool) -> BackendFuture<'_, ()> {
-        crate::backend::backend_future(async move {
+        backend_future(async move {
             if offset == 0 {
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
@@ -690,7 +690,7 @@ impl Backend for Stall {
     }
     fn write(&self, offset: u64, data: Bytes, fua: bool) -> BackendFuture<'_, ()> {
         if self.stall.load(Ordering::Acquire) {
-            return crate::backend::backend_future(std::future::pending());
+            return backend_future(std::future::pending());
         }
         self.inner.write(offset, data, fua)
     }

@@ -1541,6 +1541,7 @@ mod tests {
     use std::collections::HashMap;
 
     use super::*;
+    use crate::backend::backend_future;
     use crate::backend::memory::{MemoryBackend, PAGE_SIZE};
     use crate::server::{handle_connection, Export, ServerConfig};
     use crate::wire::handshake::{ClientOption, InfoRequest, OptionReply};
@@ -1628,7 +1629,7 @@ mod tests {
             self.reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             if self.fail_read_at == Some(offset) {
                 let error = BackendError::plain("read", offset, length as u64, NbdError::Io);
-                return crate::backend::backend_future(std::future::ready(Err(error)));
+                return backend_future(std::future::ready(Err(error)));
             }
             self.inner.read(offset, length)
         }
@@ -1675,7 +1676,7 @@ mod tests {
             self.writes
                 .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             if let Some(failure) = self.injected_failure(offset, data.len()) {
-                return crate::backend::backend_future(std::future::ready(Err(failure)));
+                return backend_future(std::future::ready(Err(failure)));
             }
             self.inner.write(offset, data, fua)
         }
@@ -1707,7 +1708,7 @@ mod tests {
             if self.trim_unsupported {
                 let unsupported = std::io::Error::from_raw_os_error(95); // EOPNOTSUPP
                 let error = BackendError::io("trim", offset, length, unsupported);
-                return crate::backend::backend_future(std::future::ready(Err(error)));
+                return backend_future(std::future::ready(Err(error)));
             }
             self.inner.trim(offset, length, fua)
         }

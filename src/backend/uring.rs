@@ -769,10 +769,10 @@ impl Ring {
         loop {
             // SAFETY: the entry points at memory owned by slot `index` (a pooled buffer,
             // shared or not, or a `Bytes`: heap storage that does not move when the slot
-            // moves) and at a
-            // file the slot holds open. The slot is only emptied in `reap`, after the kernel
-            // posted this entry's completion, so everything stays valid while the kernel
-            // may touch it. `in_flight` permits keep entries within the completion queue.
+            // moves) and at a file the slot holds open. The slot is only emptied in `reap`,
+            // after the kernel posted this entry's completion, so everything stays valid
+            // while the kernel may touch it. `in_flight` permits keep entries within the
+            // completion queue.
             let pushed = unsafe { state.uring.submission().push(&entry) };
             if pushed.is_ok() {
                 break;

@@ -8,6 +8,12 @@
 //! Buffers come in power-of-two classes from [`SMALLEST_CLASS`] to [`MAX_POOLED`], and every
 //! buffer starts on an [`ALIGN`] boundary, so `O_DIRECT` I/O can use it as it is. A buffer
 //! handed out holds **old data**: whoever takes one must overwrite every byte it exposes.
+//!
+//! Once a direct-I/O ring asks for it ([`registered_arena`]), buffers of up to
+//! [`ARENA_MAX_CLASS_BYTES`] are carved from one arena that lives as long as the process, so
+//! the ring can register it with the kernel once and read and write it as a fixed buffer:
+//! the kernel then skips pinning each request's pages (local fio, 4 KiB `O_DIRECT` random
+//! reads at QD32 on this machine: 4.5–4.9 µs of CPU per read, 3.9–4.3 with `fixedbufs`).
 
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -38,22 +44,148 @@ fn may_keep_another(idle: usize, storage: usize) -> bool {
 
 const CLASSES: usize = (MAX_POOLED / SMALLEST_CLASS).trailing_zeros() as usize + 1;
 
+/// Bytes of the registered arena: what a few hundred small requests and a few 1 MiB ones
+/// in flight at once need. The kernel pins all of it when a ring registers it.
+const ARENA_BYTES: usize = 32 << 20;
+/// The largest class carved from the arena; larger buffers are allocated on their own.
+pub const ARENA_MAX_CLASS_BYTES: usize = 1 << 20;
+/// Arena bytes one class may take, so that one request size cannot use up the arena.
+const ARENA_BYTES_PER_CLASS: usize = ARENA_BYTES / 4;
+
 struct Pool {
     classes: [Mutex<Vec<Arc<Storage>>>; CLASSES],
 }
 
 /// The bytes of one buffer, allocated once and reused: the pool keeps them behind the
 /// `Arc` that [`SharedBuffer`] shares, so neither taking nor sharing a buffer allocates.
-struct Storage {
-    bytes: Vec<u8>,
-    /// Where the aligned bytes begin inside `bytes`.
-    start: usize,
+enum Storage {
+    /// Allocated for this buffer alone; freed if its class keeps enough idle.
+    Heap {
+        bytes: Vec<u8>,
+        /// Where the aligned bytes begin inside `bytes`.
+        start: usize,
+    },
+    /// A piece of the registered arena, aligned; always kept by its class.
+    Arena(&'static mut [u8]),
 }
 
 impl Storage {
     fn aligned(&self) -> &[u8] {
-        &self.bytes[self.start..]
+        match self {
+            Storage::Heap { bytes, start } => &bytes[*start..],
+            Storage::Arena(piece) => piece,
+        }
     }
+
+    fn aligned_mut(&mut self) -> &mut [u8] {
+        match self {
+            Storage::Heap { bytes, start } => &mut bytes[*start..],
+            Storage::Arena(piece) => piece,
+        }
+    }
+
+    /// Memory this buffer holds, alignment slack included.
+    fn footprint(&self) -> usize {
+        match self {
+            Storage::Heap { bytes, .. } => bytes.len(),
+            Storage::Arena(piece) => piece.len(),
+        }
+    }
+
+    fn in_arena(&self) -> bool {
+        matches!(self, Storage::Arena(_))
+    }
+}
+
+impl Drop for Storage {
+    /// A piece of the arena is never lost: two holders of a buffer that let go at the same
+    /// moment may each see the other and neither give it back (see [`SharedBuffer`]'s
+    /// drop), and then its piece goes back to its class from here.
+    fn drop(&mut self) {
+        if let Storage::Arena(piece) = self {
+            let piece = std::mem::take(piece);
+            if let Some(class) = class_of(piece.len()).filter(|_| !piece.is_empty()) {
+                give_back(class, Arc::new(Storage::Arena(piece)));
+            }
+        }
+    }
+}
+
+/// Where the registered arena lies, for a ring to register it with the kernel.
+#[derive(Clone, Copy, Debug)]
+pub struct ArenaRegion {
+    /// Address of its first byte, aligned to [`ALIGN`].
+    pub start: usize,
+    pub len: usize,
+}
+
+struct Arena {
+    region: ArenaRegion,
+    carving: Mutex<Carving>,
+}
+
+/// What is left of the arena to carve buffers from, and what each class took.
+struct Carving {
+    rest: &'static mut [u8],
+    taken: [usize; CLASSES],
+}
+
+static ARENA: OnceLock<Arena> = OnceLock::new();
+
+/// The arena that pooled buffers of up to [`ARENA_MAX_CLASS_BYTES`] are carved from from
+/// now on, set up on the first call. It is never freed, so a ring may keep it registered
+/// for as long as the process runs; [`Buffer::in_arena`] tells which buffers lie in it.
+pub fn registered_arena() -> ArenaRegion {
+    ARENA
+        .get_or_init(|| {
+            // Leaked on purpose: the arena lives as long as the process.
+            let whole: &'static mut [u8] = Vec::leak(vec![0u8; ARENA_BYTES + ALIGN]);
+            let start = whole.as_ptr().align_offset(ALIGN);
+            let aligned = &mut whole[start..start + ARENA_BYTES];
+            Arena {
+                region: ArenaRegion {
+                    start: aligned.as_ptr() as usize,
+                    len: ARENA_BYTES,
+                },
+                carving: Mutex::new(Carving {
+                    rest: aligned,
+                    taken: [0; CLASSES],
+                }),
+            }
+        })
+        .region
+}
+
+/// Whether the `len` bytes at `start` lie in the registered arena (so a ring may read or
+/// write them as a fixed buffer): true for pooled buffers carved from it, and for `Bytes`
+/// made from them.
+pub fn in_arena(start: *const u8, len: usize) -> bool {
+    ARENA.get().is_some_and(|arena| {
+        let region = arena.region;
+        let start = start as usize;
+        start >= region.start && start.saturating_add(len) <= region.start + region.len
+    })
+}
+
+/// A new buffer of class `class` carved from the arena, if there is one and the class has
+/// not taken its share of it.
+fn carve_from_arena(class: usize) -> Option<Arc<Storage>> {
+    let bytes = SMALLEST_CLASS << class;
+    if bytes > ARENA_MAX_CLASS_BYTES {
+        return None;
+    }
+    let mut carving = ARENA
+        .get()?
+        .carving
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if carving.taken[class] + bytes > ARENA_BYTES_PER_CLASS || carving.rest.len() < bytes {
+        return None;
+    }
+    carving.taken[class] += bytes;
+    let (piece, rest) = std::mem::take(&mut carving.rest).split_at_mut(bytes);
+    carving.rest = rest;
+    Some(Arc::new(Storage::Arena(piece)))
 }
 
 fn pool() -> &'static Pool {
@@ -75,7 +207,7 @@ fn class_of(len: usize) -> Option<usize> {
 fn aligned_storage(capacity: usize) -> Arc<Storage> {
     let bytes = vec![0u8; capacity + ALIGN];
     let start = bytes.as_ptr().align_offset(ALIGN);
-    Arc::new(Storage { bytes, start })
+    Arc::new(Storage::Heap { bytes, start })
 }
 
 #[cfg(test)]
@@ -91,7 +223,7 @@ fn give_back(class: usize, storage: Arc<Storage>) {
     let mut idle = pool().classes[class]
         .lock()
         .unwrap_or_else(|e| e.into_inner());
-    if may_keep_another(idle.len(), storage.bytes.len()) {
+    if storage.in_arena() || may_keep_another(idle.len(), storage.footprint()) {
         idle.push(storage);
     }
 }
@@ -115,6 +247,7 @@ impl Buffer {
                     .unwrap_or_else(|e| e.into_inner())
                     .pop()
             })
+            .or_else(|| class.and_then(carve_from_arena))
             .unwrap_or_else(|| aligned_storage(class.map_or(len, |c| SMALLEST_CLASS << c)));
         Buffer {
             whole: SharedBuffer {
@@ -139,6 +272,11 @@ impl Buffer {
 
     pub fn is_empty(&self) -> bool {
         self.whole.len == 0
+    }
+
+    /// Whether the buffer lies in the registered arena ([`registered_arena`]).
+    pub fn in_arena(&self) -> bool {
+        self.whole.in_arena()
     }
 
     /// Shares the buffer as `Bytes`; it returns to the pool when the last clone is dropped.
@@ -169,8 +307,7 @@ impl AsMut<[u8]> for Buffer {
             .as_mut()
             .and_then(Arc::get_mut)
             .expect("a Buffer's storage is its own");
-        let start = storage.start;
-        &mut storage.bytes[start..start + len]
+        &mut storage.aligned_mut()[..len]
     }
 }
 
@@ -193,6 +330,11 @@ impl SharedBuffer {
 
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// Whether the buffer lies in the registered arena ([`registered_arena`]).
+    pub fn in_arena(&self) -> bool {
+        self.storage.as_ref().is_some_and(|s| s.in_arena())
     }
 
     /// The bytes `[start, start + length)` of this view, sharing the buffer.
@@ -349,6 +491,66 @@ mod tests {
                 .all(|(i, &b)| b == i as u8));
         }
         again.as_mut().fill(1);
+    }
+
+    #[test]
+    fn arena_buffers_are_aligned_disjoint_inside_the_region_and_never_lost() {
+        let region = registered_arena();
+        assert_eq!(region.start % ALIGN, 0);
+        assert_eq!(registered_arena().start, region.start, "one arena");
+        // 512 KiB: a class no other test uses, so this test sees all of its share.
+        let len = 512 * 1024;
+        let mut pieces = Vec::new();
+        loop {
+            let buffer = Buffer::take(len);
+            if !buffer.in_arena() && pieces.len() == ARENA_BYTES_PER_CLASS / len {
+                break;
+            }
+            assert!(
+                pieces.len() <= ARENA_BYTES_PER_CLASS / len,
+                "past the share"
+            );
+            if buffer.in_arena() {
+                pieces.push(buffer);
+            }
+        }
+        let mut spans: Vec<(usize, usize)> = pieces
+            .iter()
+            .map(|b| (b.as_ref().as_ptr() as usize, b.len()))
+            .collect();
+        spans.sort_unstable();
+        for (start, len) in &spans {
+            assert_eq!(start % ALIGN, 0);
+            assert!(*start >= region.start && start + len <= region.start + region.len);
+        }
+        for pair in spans.windows(2) {
+            assert!(pair[0].0 + pair[0].1 <= pair[1].0, "pieces overlap");
+        }
+        // Given back, they are handed out again: the share is not carved twice.
+        drop(pieces);
+        let again: Vec<Buffer> = (0..ARENA_BYTES_PER_CLASS / len)
+            .map(|_| Buffer::take(len))
+            .collect();
+        assert!(again.iter().all(Buffer::in_arena));
+        let mut respans: Vec<(usize, usize)> = again
+            .iter()
+            .map(|b| (b.as_ref().as_ptr() as usize, b.len()))
+            .collect();
+        respans.sort_unstable();
+        assert_eq!(respans, spans);
+        drop(again);
+        // A piece whose last holders let go at once (so neither gave it back) returns to
+        // its class when its storage is dropped.
+        let before = GIVEN_BACK_HERE.with(|n| n.get());
+        let storage = pool().classes[class_of(len).unwrap()]
+            .lock()
+            .unwrap()
+            .pop()
+            .unwrap();
+        assert!(storage.in_arena());
+        drop(storage);
+        assert_eq!(GIVEN_BACK_HERE.with(|n| n.get()), before + 1);
+        assert!(Buffer::take(len).in_arena());
     }
 
     #[test]

@@ -19,7 +19,10 @@
 //! system calls on its own thread instead ([`alone`]), which skips those hand-offs.
 //!
 //! A direct-I/O ring holds part of a burst back from a device that completes in batches,
-//! so the device keeps working while the client turns the rest around (`DepthCap`).
+//! so the device keeps working while the client turns the rest around (`DepthCap`). It
+//! also registers the buffer pool's arena (`buffer::registered_arena`) with the kernel, and
+//! reads into and writes from buffers in it as fixed buffers (`READ_FIXED`, `WRITE_FIXED`),
+//! so the kernel does not pin each request's pages.
 //!
 //! Safety rests on ownership: every buffer and file an entry points at is moved into the
 //! entry's slot before the entry is pushed, and stays there until the kernel posts its
@@ -160,6 +163,12 @@ impl WriteData {
             WriteData::Shared(bytes) => WriteData::Shared(bytes.slice(start..start + length)),
             WriteData::Pooled(shared) => WriteData::Pooled(shared.slice(start, length)),
         }
+    }
+
+    /// Whether the bytes lie in the buffer pool's registered arena: a pooled buffer, or a
+    /// large payload the pipeline gathered into one and passed on as `Bytes`.
+    fn in_arena(&self) -> bool {
+        crate::buffer::in_arena(self.as_ptr(), self.len())
     }
 }
 
@@ -436,7 +445,15 @@ pub struct Ring {
     /// `block_in_place` because one of them was slow; see [`Ring::run_lone`].
     hand_off_until: AtomicU64,
     born: Instant,
+    /// Whether the buffer pool's arena is registered as fixed buffer 0.
+    fixed_buffers: bool,
+    /// Entries submitted as fixed-buffer reads or writes.
+    #[cfg(test)]
+    fixed_entries: AtomicU64,
 }
+
+/// The registered buffer index of the pool's arena.
+const ARENA_BUFFER_INDEX: u16 = 0;
 
 /// A lone system call that takes longer than this marks the device as slow.
 const SLOW_LONE_CALL: Duration = Duration::from_millis(2);
@@ -473,12 +490,14 @@ impl Ring {
     }
 
     /// A ring for direct I/O: the same, and it holds entries back from a device that
-    /// completes in batches (`DepthCap`).
+    /// completes in batches (`DepthCap`) and reads and writes the buffer pool's arena as
+    /// fixed buffers (if the kernel lets it register them: an unprivileged process's
+    /// locked-memory limit may be smaller than the arena).
     pub fn for_direct_io() -> io::Result<Arc<Ring>> {
         Ring::build(true)
     }
 
-    fn build(depth_cap: bool) -> io::Result<Arc<Ring>> {
+    fn build(direct: bool) -> io::Result<Arc<Ring>> {
         let uring = IoUring::builder()
             .setup_cqsize(COMPLETION_ENTRIES)
             .build(SUBMISSION_ENTRIES)?;
@@ -492,6 +511,25 @@ impl Ring {
             rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
         )?;
         uring.submitter().register_eventfd(eventfd.as_raw_fd())?;
+        let fixed_buffers = direct && {
+            let arena = crate::buffer::registered_arena();
+            let region = libc::iovec {
+                iov_base: arena.start as *mut libc::c_void,
+                iov_len: arena.len,
+            };
+            // SAFETY: the arena is never freed (the buffer pool leaks it on purpose), so the
+            // memory stays valid for as long as the ring keeps it registered. The kernel
+            // touches it only for an entry that names the arena's index, and an entry does
+            // so only for a buffer it owns in its slot until its completion, as for every
+            // other entry's buffer (see the module's safety note).
+            match unsafe { uring.submitter().register_buffers(&[region]) } {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::debug!("direct I/O without fixed buffers: registering failed: {e}");
+                    false
+                }
+            }
+        };
         Ok(Arc::new(Ring {
             state: Mutex::new(RingState {
                 uring,
@@ -502,13 +540,16 @@ impl Ring {
                 handed_out: 0,
                 held: VecDeque::new(),
                 held_so_far: 0,
-                depth: DepthCap::new(depth_cap),
+                depth: DepthCap::new(direct),
                 finished: Vec::new(),
             }),
             answers: AnswerPool::default(),
             submit_wanted: Notify::new(),
             hand_off_until: AtomicU64::new(0),
             born: Instant::now(),
+            fixed_buffers,
+            #[cfg(test)]
+            fixed_entries: AtomicU64::new(0),
             eventfd,
             in_flight: Arc::new(Semaphore::new(COMPLETION_ENTRIES as usize)),
         }))
@@ -584,10 +625,17 @@ impl Ring {
         let fd = types::Fd(file.as_raw_fd());
         let (entry, buffer, data) = match request {
             Request::Read { offset, mut buffer } => {
+                let fixed = self.fixed_buffers && buffer.in_arena();
                 let target = buffer.as_mut();
-                let entry = opcode::Read::new(fd, target.as_mut_ptr(), target.len() as u32)
-                    .offset(offset)
-                    .build();
+                let (start, len) = (target.as_mut_ptr(), target.len() as u32);
+                let entry = if fixed {
+                    self.count_fixed_entry();
+                    opcode::ReadFixed::new(fd, start, len, ARENA_BUFFER_INDEX)
+                        .offset(offset)
+                        .build()
+                } else {
+                    opcode::Read::new(fd, start, len).offset(offset).build()
+                };
                 (entry, Some(buffer), None)
             }
             Request::Write {
@@ -595,10 +643,19 @@ impl Ring {
                 data,
                 flags,
             } => {
-                let entry = opcode::Write::new(fd, data.as_ptr(), data.len() as u32)
-                    .offset(offset)
-                    .rw_flags(flags)
-                    .build();
+                let (start, len) = (data.as_ptr(), data.len() as u32);
+                let entry = if self.fixed_buffers && data.in_arena() {
+                    self.count_fixed_entry();
+                    opcode::WriteFixed::new(fd, start, len, ARENA_BUFFER_INDEX)
+                        .offset(offset)
+                        .rw_flags(flags)
+                        .build()
+                } else {
+                    opcode::Write::new(fd, start, len)
+                        .offset(offset)
+                        .rw_flags(flags)
+                        .build()
+                };
                 (entry, None, Some(data))
             }
             Request::Fsync { datasync } => {
@@ -635,6 +692,12 @@ impl Ring {
             Ok(Completion { result, buffer }) => (Ok(result as usize), buffer),
             Err(_) => (Err(io::Error::other("the ring went away")), None),
         }
+    }
+
+    /// Counts an entry that reads or writes the registered arena (for tests).
+    fn count_fixed_entry(&self) {
+        #[cfg(test)]
+        self.fixed_entries.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Runs `request` as a plain system call on this thread ([`Ring::run_lone`]) when the
@@ -1163,6 +1226,81 @@ mod tests {
             cached.reaped(32, 32);
         }
         assert_eq!(cached.cap(), usize::MAX);
+    }
+
+    /// A buffer of `len` bytes from the registered arena (the pool may first hand out
+    /// buffers allocated before the arena existed: those are held until one comes).
+    fn arena_buffer(len: usize) -> Buffer {
+        let mut others = Vec::new();
+        loop {
+            let buffer = Buffer::take(len);
+            if buffer.in_arena() {
+                return buffer;
+            }
+            assert!(
+                others.len() < 10_000,
+                "no buffer of {len} bytes in the arena"
+            );
+            others.push(buffer);
+        }
+    }
+
+    #[test]
+    fn a_direct_ring_reads_and_writes_arena_buffers_as_fixed_buffers() {
+        use std::os::unix::fs::OpenOptionsExt;
+        // O_DIRECT where the file system has it (not tmpfs), so the kernel really maps the
+        // registered pages for the device; fixed buffers serve buffered files as well.
+        let dir = ["/var/tmp", "/tmp"]
+            .into_iter()
+            .find(|d| std::path::Path::new(d).is_dir())
+            .unwrap();
+        let tmp = tempfile::NamedTempFile::new_in(dir).unwrap();
+        tmp.as_file().set_len(1 << 20).unwrap();
+        let open = |direct: bool| {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .custom_flags(if direct { libc::O_DIRECT } else { 0 })
+                .open(tmp.path())
+        };
+        let file = Arc::new(open(true).or_else(|_| open(false)).unwrap());
+        let ring = Ring::for_direct_io().unwrap();
+        assert!(
+            ring.fixed_buffers,
+            "registering the arena failed (run as root, or raise RLIMIT_MEMLOCK)"
+        );
+        runtime().block_on(async {
+            let mut data = arena_buffer(8192);
+            for (i, b) in data.as_mut().iter_mut().enumerate() {
+                *b = (i % 253) as u8;
+            }
+            let data = data.into_bytes();
+            // As the pipeline passes a large payload it gathered into a pooled buffer.
+            let written = ring.write(&file, 4096, data.clone(), 0).await.unwrap();
+            assert_eq!(written, 8192);
+            let mut second = arena_buffer(4096);
+            second.as_mut().copy_from_slice(&data[..4096]);
+            // A pooled buffer shared without `Bytes`, as aligned copies are.
+            assert_eq!(
+                ring.write(&file, 4096, second.share(), 0).await.unwrap(),
+                4096
+            );
+            // Bytes outside the arena beside it take the plain path (aligned for O_DIRECT).
+            let outside = vec![9u8; 8192];
+            let start = outside.as_ptr().align_offset(4096);
+            let plain = Bytes::from(outside).slice(start..start + 4096);
+            assert_eq!(ring.write(&file, 12288, plain, 0).await.unwrap(), 4096);
+            let (n, back) = ring.read(&file, 4096, arena_buffer(12288)).await;
+            assert_eq!(n.unwrap(), 12288);
+            assert!(back.as_ref()[..8192]
+                .iter()
+                .enumerate()
+                .all(|(i, &b)| b == (i % 253) as u8));
+            assert!(back.as_ref()[8192..].iter().all(|&b| b == 9));
+        });
+        assert_eq!(ring.fixed_entries.load(Ordering::Relaxed), 3);
+        // A page-cache ring registers nothing.
+        assert!(!Ring::new().unwrap().fixed_buffers);
     }
 
     /// A direct-I/O ring that behaves as if its device completes in batches.

@@ -525,7 +525,11 @@ impl Ring {
             match unsafe { uring.submitter().register_buffers(&[region]) } {
                 Ok(()) => true,
                 Err(e) => {
-                    tracing::debug!("direct I/O without fixed buffers: registering failed: {e}");
+                    tracing::info!(
+                        "direct I/O without fixed buffers: registering {} MiB failed: {e} \
+                         (the locked-memory limit, RLIMIT_MEMLOCK, may be too small)",
+                        arena.len >> 20
+                    );
                     false
                 }
             }

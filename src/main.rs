@@ -118,7 +118,9 @@ struct ServeArgs {
 
     /// How a file or block device is read and written: "none" bypasses the page cache with
     /// O_DIRECT (the default for block devices), "writeback" goes through it (the default
-    /// for regular files). FLUSH and FUA are honoured in both. Example: --cache none
+    /// for regular files). FLUSH and FUA are honoured in both. With "none" the server keeps
+    /// 64 MiB of I/O buffers registered with io_uring, locked in memory (where RLIMIT_MEMLOCK
+    /// is too small for that, it runs without them). Example: --cache none
     #[arg(long, value_name = "MODE", value_parser = clap::builder::ValueParser::new(str::parse::<CacheMode>))]
     cache: Option<CacheMode>,
 

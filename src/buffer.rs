@@ -399,6 +399,22 @@ impl Drop for SharedBuffer {
     }
 }
 
+/// A buffer of `len` bytes from the registered arena, for tests: the pool may first hand
+/// out buffers allocated before the arena existed, and those are held until one comes.
+#[cfg(test)]
+pub(crate) fn arena_buffer(len: usize) -> Buffer {
+    registered_arena();
+    let mut held = Vec::new();
+    loop {
+        let buffer = Buffer::take(len);
+        if buffer.in_arena() {
+            return buffer;
+        }
+        assert!(held.len() < 10_000, "no buffer of {len} bytes in the arena");
+        held.push(buffer);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -556,17 +572,7 @@ mod tests {
         };
         assert!(!heap.in_arena());
         assert!(!heap.share().in_arena());
-        // The pool may first hand out buffers from before the arena: hold them.
-        let mut held = Vec::new();
-        let from_arena = loop {
-            let buffer = Buffer::take(3 * 4096);
-            if buffer.in_arena() {
-                break buffer;
-            }
-            assert!(held.len() < 10_000, "nothing carved from the arena");
-            held.push(buffer);
-        };
-        let bytes = from_arena.into_bytes();
+        let bytes = arena_buffer(3 * 4096).into_bytes();
         assert!(
             in_arena(bytes.as_ptr(), bytes.len()),
             "Bytes made from it too"

@@ -164,12 +164,6 @@ impl WriteData {
             WriteData::Pooled(shared) => WriteData::Pooled(shared.slice(start, length)),
         }
     }
-
-    /// Whether the bytes lie in the buffer pool's registered arena: a pooled buffer, or a
-    /// large payload the pipeline gathered into one and passed on as `Bytes`.
-    fn in_arena(&self) -> bool {
-        crate::buffer::in_arena(self.as_ptr(), self.len())
-    }
 }
 
 impl std::ops::Deref for WriteData {
@@ -629,11 +623,10 @@ impl Ring {
         let fd = types::Fd(file.as_raw_fd());
         let (entry, buffer, data) = match request {
             Request::Read { offset, mut buffer } => {
-                let fixed = self.fixed_buffers && buffer.in_arena();
                 let target = buffer.as_mut();
+                let fixed = self.is_fixed_buffer(target);
                 let (start, len) = (target.as_mut_ptr(), target.len() as u32);
                 let entry = if fixed {
-                    self.count_fixed_entry();
                     opcode::ReadFixed::new(fd, start, len, ARENA_BUFFER_INDEX)
                         .offset(offset)
                         .build()
@@ -648,8 +641,7 @@ impl Ring {
                 flags,
             } => {
                 let (start, len) = (data.as_ptr(), data.len() as u32);
-                let entry = if self.fixed_buffers && data.in_arena() {
-                    self.count_fixed_entry();
+                let entry = if self.is_fixed_buffer(&data) {
                     opcode::WriteFixed::new(fd, start, len, ARENA_BUFFER_INDEX)
                         .offset(offset)
                         .rw_flags(flags)
@@ -698,10 +690,16 @@ impl Ring {
         }
     }
 
-    /// Counts an entry that reads or writes the registered arena (for tests).
-    fn count_fixed_entry(&self) {
+    /// Whether an entry for `bytes` goes as a fixed-buffer read or write: the ring has the
+    /// arena registered and the bytes lie in it (a pooled buffer, or a large payload the
+    /// pipeline gathered into one and passed on as `Bytes`).
+    fn is_fixed_buffer(&self, bytes: &[u8]) -> bool {
+        let fixed = self.fixed_buffers && crate::buffer::in_arena(bytes.as_ptr(), bytes.len());
         #[cfg(test)]
-        self.fixed_entries.fetch_add(1, Ordering::Relaxed);
+        if fixed {
+            self.fixed_entries.fetch_add(1, Ordering::Relaxed);
+        }
+        fixed
     }
 
     /// Runs `request` as a plain system call on this thread ([`Ring::run_lone`]) when the
@@ -1232,23 +1230,6 @@ mod tests {
         assert_eq!(cached.cap(), usize::MAX);
     }
 
-    /// A buffer of `len` bytes from the registered arena (the pool may first hand out
-    /// buffers allocated before the arena existed: those are held until one comes).
-    fn arena_buffer(len: usize) -> Buffer {
-        let mut others = Vec::new();
-        loop {
-            let buffer = Buffer::take(len);
-            if buffer.in_arena() {
-                return buffer;
-            }
-            assert!(
-                others.len() < 10_000,
-                "no buffer of {len} bytes in the arena"
-            );
-            others.push(buffer);
-        }
-    }
-
     #[test]
     fn a_direct_ring_reads_and_writes_arena_buffers_as_fixed_buffers() {
         use std::os::unix::fs::OpenOptionsExt;
@@ -1274,7 +1255,7 @@ mod tests {
             "registering the arena failed (run as root, or raise RLIMIT_MEMLOCK)"
         );
         runtime().block_on(async {
-            let mut data = arena_buffer(8192);
+            let mut data = crate::buffer::arena_buffer(8192);
             for (i, b) in data.as_mut().iter_mut().enumerate() {
                 *b = (i % 253) as u8;
             }
@@ -1282,7 +1263,7 @@ mod tests {
             // As the pipeline passes a large payload it gathered into a pooled buffer.
             let written = ring.write(&file, 4096, data.clone(), 0).await.unwrap();
             assert_eq!(written, 8192);
-            let mut second = arena_buffer(4096);
+            let mut second = crate::buffer::arena_buffer(4096);
             second.as_mut().copy_from_slice(&data[..4096]);
             // A pooled buffer shared without `Bytes`, as aligned copies are.
             assert_eq!(
@@ -1294,7 +1275,9 @@ mod tests {
             let start = outside.as_ptr().align_offset(4096);
             let plain = Bytes::from(outside).slice(start..start + 4096);
             assert_eq!(ring.write(&file, 12288, plain, 0).await.unwrap(), 4096);
-            let (n, back) = ring.read(&file, 4096, arena_buffer(12288)).await;
+            let (n, back) = ring
+                .read(&file, 4096, crate::buffer::arena_buffer(12288))
+                .await;
             assert_eq!(n.unwrap(), 12288);
             assert!(back.as_ref()[..8192]
                 .iter()

@@ -503,10 +503,12 @@ fn errno(e: rustix::io::Errno) -> std::io::Error {
 const MAX_RUNS: usize = 1 << 16;
 
 /// Where data and holes lie from `offset`, as (length, is_hole) runs covering at most
-/// `length` bytes and at least one byte (fewer than `length` past [`MAX_RUNS`] runs).
-fn allocation_runs(file: &File, offset: u64, length: u64) -> std::io::Result<Vec<(u64, bool)>> {
+/// `length` bytes and at least one byte (fewer than `length` past [`MAX_RUNS`] runs). One
+/// run (all data, the common case) is kept without an allocation: a `--cache=none` read
+/// of 512 KiB or more asks this of every piece.
+fn allocation_runs(file: &File, offset: u64, length: u64) -> std::io::Result<super::Runs> {
     let end = offset + length;
-    let mut runs: Vec<(u64, bool)> = Vec::new();
+    let mut runs = super::Runs::new();
     let mut at = offset;
     while at < end && runs.len() < MAX_RUNS {
         let data_start = match rustix::fs::seek(file, rustix::fs::SeekFrom::Data(at as i64)) {
@@ -515,7 +517,7 @@ fn allocation_runs(file: &File, offset: u64, length: u64) -> std::io::Result<Vec
             Err(e) => return Err(errno(e)),
         };
         if data_start > at {
-            runs.push((data_start - at, true));
+            runs.push(((data_start - at) as usize, true));
             at = data_start;
             continue;
         }
@@ -525,7 +527,7 @@ fn allocation_runs(file: &File, offset: u64, length: u64) -> std::io::Result<Vec
             Err(e) => return Err(errno(e)),
         };
         let hole_start = hole_start.max(at + 1).min(end);
-        runs.push((hole_start - at, false));
+        runs.push(((hole_start - at) as usize, false));
         at = hole_start;
     }
     Ok(runs)
@@ -617,10 +619,7 @@ impl Backend for FileBackend {
             // Holes read as zeroes anyway; knowing where they are lets the reply skip them.
             let runs = if length >= HOLE_QUERY_MIN && !self.block_device {
                 match allocation_runs(&self.file, offset, length as u64) {
-                    Ok(runs) if runs.iter().map(|r| r.0).sum::<u64>() == length as u64 => runs
-                        .into_iter()
-                        .map(|(len, hole)| (len as usize, hole))
-                        .collect(),
+                    Ok(runs) if runs.iter().map(|r| r.0).sum::<usize>() == length => runs,
                     _ => dense,
                 }
             } else {
@@ -789,7 +788,7 @@ impl Backend for FileBackend {
             Ok(runs
                 .into_iter()
                 .map(|(length, hole)| Extent {
-                    length,
+                    length: length as u64,
                     hole,
                     zero: hole,
                 })

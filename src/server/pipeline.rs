@@ -1388,37 +1388,52 @@ async fn read_piece(
     shared: &Mutex<StreamedRead>,
     spliced: Option<Spliced>,
 ) -> Replies {
-    let mut out = Replies::with_capacity(2);
-    let result = match spliced {
-        Some(spliced) => {
-            out.push(spliced_reply(
-                enc,
-                offset,
-                spliced,
-                false,
-                u64::from(length),
-            ));
-            Ok(())
-        }
+    /// Where a piece's data is.
+    enum PieceData {
+        Read(ReadData),
+        Spliced(Spliced),
+    }
+    let read = match spliced {
+        Some(spliced) => Ok(PieceData::Spliced(spliced)),
         None => backend
             .read(offset, length as usize)
             .await
-            .map(|read| content_chunks(enc, offset, read, false, u64::from(length), &mut out)),
+            .map(PieceData::Read),
     };
     let mut state = shared.lock().unwrap_or_else(|e| e.into_inner());
     state.left -= 1;
     let last = state.left == 0;
-    if let Err(e) = result {
+    if let Err(e) = &read {
         warn!("{e}");
         state.error.get_or_insert((e.errno, e.to_string()));
-        out.push(Outgoing::new(ReplyHeader::new(), None, u64::from(length)));
     }
-    if last {
+    // The piece that finishes last ends the reply: its data chunk carries the done flag
+    // when no piece failed, so a piece's replies fit in `Replies` without a list (one
+    // allocation per piece before, session 35); else a final error chunk follows.
+    let done_with_data = last && state.error.is_none();
+    let mut out = Replies::new();
+    match read {
+        Ok(PieceData::Read(read)) => content_chunks(
+            enc,
+            offset,
+            read,
+            done_with_data,
+            u64::from(length),
+            &mut out,
+        ),
+        Ok(PieceData::Spliced(spliced)) => out.push(spliced_reply(
+            enc,
+            offset,
+            spliced,
+            done_with_data,
+            u64::from(length),
+        )),
+        Err(_) => out.push(Outgoing::new(ReplyHeader::new(), None, u64::from(length))),
+    }
+    if last && !done_with_data {
+        let (errno, message) = state.error.as_ref().expect("a piece failed");
         let mut header = ReplyHeader::new();
-        match &state.error {
-            None => enc.ok(&mut header),
-            Some((errno, message)) => enc.error(&mut header, *errno, message),
-        }
+        enc.error(&mut header, *errno, message);
         out.push(Outgoing::new(header, None, 0));
     }
     out
@@ -2303,6 +2318,52 @@ mod tests {
         assert_eq!(chunks, 4, "the read left as one chunk per piece");
         assert_eq!(covered, len);
         assert_eq!(assembled, pattern);
+    }
+
+    /// A streamed read whose second piece fails: the other pieces' data arrives, then one
+    /// error chunk, which alone carries the done flag, and the connection serves on.
+    #[tokio::test]
+    async fn a_large_read_with_a_failed_piece_ends_with_one_error_chunk() {
+        let mut backend = CountingReads::new(None);
+        backend.fail_read_at = Some(4096 + u64::from(STREAM_PIECE));
+        let mut client = connect_to(Arc::new(backend)).await;
+        let len = 3 * u64::from(STREAM_PIECE) + 12345;
+        client
+            .write_all(&request(cmd::READ, 0, 7, 4096, len))
+            .await
+            .unwrap();
+        let (mut data, mut errors) = (0, 0);
+        loop {
+            let (flags, kind, cookie, payload) = read_chunk(&mut client).await;
+            assert_eq!(cookie, 7);
+            let done = flags & reply::FLAG_DONE != 0;
+            match kind {
+                reply::TYPE_OFFSET_DATA => {
+                    assert!(!done, "a data chunk ended a read that failed");
+                    data += payload.len() - 8;
+                }
+                // Nothing was written: the data reads as holes.
+                reply::TYPE_OFFSET_HOLE => {
+                    assert!(!done, "a hole chunk ended a read that failed");
+                    data += u32::from_be_bytes(payload[8..12].try_into().unwrap()) as usize;
+                }
+                reply::TYPE_ERROR => errors += 1,
+                other => panic!("unexpected chunk type {other}"),
+            }
+            if done {
+                break;
+            }
+        }
+        assert_eq!(errors, 1);
+        assert_eq!(data as u64, len - u64::from(STREAM_PIECE));
+        // The connection still answers.
+        client
+            .write_all(&request(cmd::READ, 0, 8, 0, 4096))
+            .await
+            .unwrap();
+        let (flags, kind, cookie, _) = read_chunk(&mut client).await;
+        assert_eq!((kind, cookie), (reply::TYPE_OFFSET_HOLE, 8));
+        assert_ne!(flags & reply::FLAG_DONE, 0);
     }
 
     /// A file export of `len` bytes of pattern `i * step % modulo` (in the page cache, as

@@ -220,11 +220,12 @@ const LARGE: Load = Load {
 /// The bound for 1 MiB requests, which the server reads and writes in pieces: at most
 /// three allocations per request, none per page or per piece's reply. Session 35 measured
 /// 21 per memory read (a boxed owner for each 64 KiB page, a list of replies per 512 KiB
-/// piece), 16 per memory write (a reference count per page received) and 5 per
-/// `--cache=none` read (a list of allocation runs and of replies per piece), and now 3,
-/// 0 and 1. What is left: the list of pages of each of a memory read's two pieces and the
-/// state a streamed read's pieces share; a page-cache read's second piece, queued to be
-/// spliced later; and a write's payload, pooled, passed to the backend as `Bytes`.
+/// piece), 16 per memory write (a reference count per page received), 5 per
+/// `--cache=none` read (a list of allocation runs and of replies per piece) and 1 per
+/// page-cache or `--cache=none` write (the pooled payload boxed as `Bytes`), and now 3,
+/// 0, 1 and 0. What is left: the list of pages of each of a memory read's two pieces and
+/// the state a streamed read's pieces share, and a page-cache read's second piece,
+/// queued to be spliced later.
 #[test]
 fn large_requests_allocate_per_request_not_per_page() {
     let dir = tempfile::tempdir().unwrap();

@@ -16,11 +16,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
-use bytes::Bytes;
 use rustix::fs::FallocateFlags;
 
 use super::range_lock::RangeLocks;
-use super::uring::{Ring, WriteData, RWF_DSYNC};
+use super::uring::{Ring, RWF_DSYNC};
+use super::WriteData;
 use super::{
     backend_future, inline_backend_future, Backend, BackendError, BackendFuture, CacheMode,
     Capabilities, Extent, ReadData, ZeroFlags,
@@ -412,9 +412,14 @@ impl FileBackend {
 
     /// A direct-I/O write of whole blocks; the data is copied into an aligned buffer when
     /// it does not start on one.
-    async fn write_blocks(&self, offset: u64, data: Bytes, fua: bool) -> Result<(), BackendError> {
+    async fn write_blocks(
+        &self,
+        offset: u64,
+        data: WriteData,
+        fua: bool,
+    ) -> Result<(), BackendError> {
         let data = if data.as_ptr() as usize % self.memory_align == 0 {
-            WriteData::from(data)
+            data
         } else {
             let mut aligned = Buffer::take(data.len());
             aligned.as_mut().copy_from_slice(&data);
@@ -428,7 +433,7 @@ impl FileBackend {
     async fn read_modify_write(
         &self,
         offset: u64,
-        data: Bytes,
+        data: WriteData,
         fua: bool,
     ) -> Result<(), BackendError> {
         let (start, end) = self.covering(offset, data.len() as u64);
@@ -654,7 +659,7 @@ impl Backend for FileBackend {
             && super::splice::cached(&self.file, offset, length) == Some(true)
     }
 
-    fn write(&self, offset: u64, data: Bytes, fua: bool) -> BackendFuture<'_, ()> {
+    fn write(&self, offset: u64, data: WriteData, fua: bool) -> BackendFuture<'_, ()> {
         inline_backend_future(async move {
             if let Some(done) = self.write_inline(offset, &data, fua) {
                 return done;
@@ -662,7 +667,7 @@ impl Backend for FileBackend {
             let length = data.len() as u64;
             if self.cache == CacheMode::Writeback {
                 // FUA waits for the device: that wait belongs in io_uring's workers.
-                self.write_through_ring(offset, data.into(), fua).await?;
+                self.write_through_ring(offset, data, fua).await?;
             } else if offset % self.block == 0 && length % self.block == 0 {
                 let _held = self.lock_shared(offset, length).await;
                 self.write_blocks(offset, data, fua).await?;
@@ -758,7 +763,7 @@ impl Backend for FileBackend {
                 let mut done = 0;
                 while done < length {
                     let n = (length - done).min(ZERO_CHUNK);
-                    let zeroes = Buffer::zeroed(n as usize).into_bytes();
+                    let zeroes = Buffer::zeroed(n as usize).share().into();
                     self.write(offset + done, zeroes, false).await?;
                     done += n;
                 }
@@ -817,6 +822,7 @@ impl std::fmt::Debug for FileBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bytes::Bytes;
     use std::os::unix::fs::FileExt;
 
     fn block_on<T>(f: impl std::future::Future<Output = T>) -> T {
@@ -869,7 +875,7 @@ mod tests {
             let b = &b;
             async move {
                 for at in (from..from + WRITE_BEHIND + chunk).step_by(chunk as usize) {
-                    b.write(at, Bytes::from(vec![1u8; chunk as usize]), false)
+                    b.write(at, Bytes::from(vec![1u8; chunk as usize]).into(), false)
                         .await
                         .unwrap();
                 }
@@ -919,10 +925,12 @@ mod tests {
             let path = dir.path().join("disk.img");
             let b = FileBackend::open(&path, Some(4 << 20), false, Some(mode)).unwrap();
             block_on(async {
-                b.write(4096, Bytes::from(vec![9u8; 1 << 20]), false)
+                b.write(4096, Bytes::from(vec![9u8; 1 << 20]).into(), false)
                     .await
                     .unwrap();
-                b.write(0, Bytes::from(vec![1u8; 512]), true).await.unwrap();
+                b.write(0, Bytes::from(vec![1u8; 512]).into(), true)
+                    .await
+                    .unwrap();
                 let r = b.read(0, 2 << 20).await.unwrap();
                 assert!(r.bytes()[..512].iter().all(|&x| x == 1), "{mode}");
                 assert!(r.bytes()[512..4096].iter().all(|&x| x == 0), "{mode}");
@@ -975,7 +983,7 @@ mod tests {
                 [(1, 10), (500, 30), (4000, 200), (7, 70_000), (4096, 4096)];
             for (i, (offset, len)) in cases.into_iter().enumerate() {
                 let payload = Bytes::from(vec![i as u8 + 1; len + 1]).slice(1..);
-                b.write(offset, payload, i % 2 == 0).await.unwrap();
+                b.write(offset, payload.into(), i % 2 == 0).await.unwrap();
                 model[offset as usize..offset as usize + len].fill(i as u8 + 1);
             }
             let r = b.read(0, 1 << 20).await.unwrap();
@@ -992,7 +1000,7 @@ mod tests {
                     let b = Arc::clone(&b);
                     tokio::spawn(async move {
                         let data = Bytes::from(vec![(i % 200) as u8 + 50; 16]);
-                        b.write(100_000 + i * 16, data, false).await.unwrap();
+                        b.write(100_000 + i * 16, data.into(), false).await.unwrap();
                     })
                 })
                 .collect();
@@ -1029,7 +1037,7 @@ mod tests {
             "long reads go through the ring or a pipe"
         );
         block_on(async {
-            b.write(65536, Bytes::from(vec![2u8; 512 * 1024]), false)
+            b.write(65536, Bytes::from(vec![2u8; 512 * 1024]).into(), false)
                 .await
                 .unwrap();
             assert_eq!(
@@ -1090,11 +1098,11 @@ mod tests {
             let _ = std::fs::remove_file(&path);
             let b = FileBackend::open(&path, Some(1 << 20), false, Some(mode)).unwrap();
             block_on(async {
-                b.write(0, Bytes::from(vec![1u8; 4096]), true)
+                b.write(0, Bytes::from(vec![1u8; 4096]).into(), true)
                     .await
                     .unwrap();
                 assert_eq!(b.dirty.sync_target(), None, "{mode}");
-                b.write(0, Bytes::from(vec![2u8; 4096]), false)
+                b.write(0, Bytes::from(vec![2u8; 4096]).into(), false)
                     .await
                     .unwrap();
                 assert!(b.dirty.sync_target().is_some(), "{mode}");

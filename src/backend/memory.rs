@@ -23,7 +23,7 @@ use bytes::Bytes;
 use super::page_pool::PageBuf;
 use super::{
     backend_future, Backend, BackendFuture, Capabilities, Extent, PagePart, PageStore, Piece,
-    Pieces, ReadData, ZeroFlags,
+    Pieces, ReadData, WriteData, ZeroFlags,
 };
 
 /// Bytes per page: the allocation and hole granularity.
@@ -294,7 +294,7 @@ impl Backend for MemoryBackend {
         Some(Ok(self.read_now(offset, length)))
     }
 
-    fn write(&self, offset: u64, data: Bytes, _fua: bool) -> BackendFuture<'_, ()> {
+    fn write(&self, offset: u64, data: WriteData, _fua: bool) -> BackendFuture<'_, ()> {
         backend_future(async move {
             self.write_now(offset, &data);
             Ok(())
@@ -369,7 +369,7 @@ mod tests {
     fn writes_across_pages_read_back() {
         let m = MemoryBackend::new(1 << 20, false);
         let data: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
-        block_on(m.write(PAGE_SIZE - 7, Bytes::from(data.clone()), false)).unwrap();
+        block_on(m.write(PAGE_SIZE - 7, Bytes::from(data.clone()).into(), false)).unwrap();
         let r = block_on(m.read(PAGE_SIZE - 7, data.len())).unwrap();
         assert_eq!(&r.bytes()[..], &data[..]);
         assert!(r.runs.iter().all(|&(_, hole)| !hole));
@@ -395,7 +395,12 @@ mod tests {
     #[test]
     fn a_read_keeps_what_it_saw_while_later_writes_change_the_page() {
         let m = MemoryBackend::new(4 * PAGE_SIZE, false);
-        block_on(m.write(0, Bytes::from(vec![1u8; 2 * PAGE_SIZE as usize]), false)).unwrap();
+        block_on(m.write(
+            0,
+            Bytes::from(vec![1u8; 2 * PAGE_SIZE as usize]).into(),
+            false,
+        ))
+        .unwrap();
         let held = block_on(m.read(100, PAGE_SIZE as usize)).unwrap();
         assert_eq!(
             held.data.slices().count(),
@@ -403,7 +408,7 @@ mod tests {
             "a piece per page, by reference"
         );
         // A write into a held page copies it; a partial zeroing of the other page too.
-        block_on(m.write(200, Bytes::from(vec![2u8; 300]), false)).unwrap();
+        block_on(m.write(200, Bytes::from(vec![2u8; 300]).into(), false)).unwrap();
         let partial = ZeroFlags {
             may_trim: true,
             ..ZeroFlags::default()
@@ -424,14 +429,19 @@ mod tests {
         // Once the read is gone, a write goes into the page in place.
         drop(held);
         let before = Arc::as_ptr(&m.shard(0).read().unwrap()[&0]);
-        block_on(m.write(0, Bytes::from(vec![3u8; 10]), false)).unwrap();
+        block_on(m.write(0, Bytes::from(vec![3u8; 10]).into(), false)).unwrap();
         assert_eq!(Arc::as_ptr(&m.shard(0).read().unwrap()[&0]), before);
     }
 
     #[test]
     fn pages_handed_over_replace_whole_pages_and_readers_keep_the_old_ones() {
         let m = MemoryBackend::new(4 * PAGE_SIZE, false);
-        block_on(m.write(0, Bytes::from(vec![1u8; 2 * PAGE_SIZE as usize]), false)).unwrap();
+        block_on(m.write(
+            0,
+            Bytes::from(vec![1u8; 2 * PAGE_SIZE as usize]).into(),
+            false,
+        ))
+        .unwrap();
         let held = block_on(m.read(0, 100)).unwrap();
         let held_page = Arc::as_ptr(&m.shard(0).read().unwrap()[&0]);
         let unheld = Arc::as_ptr(&m.shard(1).read().unwrap()[&1]);
@@ -483,7 +493,7 @@ mod tests {
     #[test]
     fn zeroing_with_no_hole_leaves_the_range_allocated() {
         let m = MemoryBackend::new(4 * PAGE_SIZE, false);
-        block_on(m.write(0, Bytes::from(vec![5u8; PAGE_SIZE as usize]), false)).unwrap();
+        block_on(m.write(0, Bytes::from(vec![5u8; PAGE_SIZE as usize]).into(), false)).unwrap();
         let keep = ZeroFlags {
             may_trim: false,
             fast: false,
@@ -510,7 +520,12 @@ mod tests {
     #[test]
     fn zeroing_whole_pages_makes_holes_and_partial_pages_zero() {
         let m = MemoryBackend::new(4 * PAGE_SIZE, false);
-        block_on(m.write(0, Bytes::from(vec![7u8; 4 * PAGE_SIZE as usize]), false)).unwrap();
+        block_on(m.write(
+            0,
+            Bytes::from(vec![7u8; 4 * PAGE_SIZE as usize]).into(),
+            false,
+        ))
+        .unwrap();
         block_on(m.write_zeroes(
             100,
             2 * PAGE_SIZE,

@@ -390,6 +390,71 @@ impl PartialEq for Pieces {
 
 impl Eq for Pieces {}
 
+/// The bytes a write takes: shared `Bytes` (a payload as it arrived in the connection's
+/// read buffer), or a pooled buffer (a payload gathered into one, or copied into
+/// alignment for direct I/O), which is shared without an allocation: as a `Bytes` it
+/// needed a boxed owner per write (session 35).
+#[derive(Debug, Clone)]
+pub enum WriteData {
+    Shared(Bytes),
+    Pooled(SharedBuffer),
+}
+
+impl WriteData {
+    /// The bytes `[start, start + length)`, sharing the buffer.
+    pub fn slice(&self, start: usize, length: usize) -> WriteData {
+        match self {
+            WriteData::Shared(bytes) => WriteData::Shared(bytes.slice(start..start + length)),
+            WriteData::Pooled(shared) => WriteData::Pooled(shared.slice(start, length)),
+        }
+    }
+
+    /// The bytes as `Bytes`, for what keeps or sends them on (replication): free for
+    /// shared bytes, a boxed owner for a pooled buffer.
+    pub fn into_bytes(self) -> Bytes {
+        match self {
+            WriteData::Shared(bytes) => bytes,
+            WriteData::Pooled(shared) => Bytes::from_owner(shared),
+        }
+    }
+}
+
+impl std::ops::Deref for WriteData {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            WriteData::Shared(bytes) => bytes,
+            WriteData::Pooled(shared) => shared,
+        }
+    }
+}
+
+impl From<Bytes> for WriteData {
+    fn from(bytes: Bytes) -> WriteData {
+        WriteData::Shared(bytes)
+    }
+}
+
+impl From<SharedBuffer> for WriteData {
+    fn from(shared: SharedBuffer) -> WriteData {
+        WriteData::Pooled(shared)
+    }
+}
+
+/// No bytes.
+impl Default for WriteData {
+    fn default() -> WriteData {
+        WriteData::Shared(Bytes::new())
+    }
+}
+
+impl From<Vec<u8>> for WriteData {
+    fn from(bytes: Vec<u8>) -> WriteData {
+        WriteData::Shared(bytes.into())
+    }
+}
+
 /// Data returned by a read: the bytes, and which runs of them are holes (zeroes the
 /// backend did not have to store), so structured replies can send `OFFSET_HOLE` for them.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -469,7 +534,7 @@ pub trait Backend: Send + Sync + 'static {
         self.read(offset, length)
     }
     /// Writes `data` at `offset`; with `fua` the data is durable when this returns.
-    fn write(&self, offset: u64, data: Bytes, fua: bool) -> BackendFuture<'_, ()>;
+    fn write(&self, offset: u64, data: WriteData, fua: bool) -> BackendFuture<'_, ()>;
     /// Writes `data` at `offset` at once, on the calling thread, when this backend can do
     /// that without waiting on a device (memory; a page-cache write without FUA), and
     /// returns the result; `None` means it cannot, and [`Backend::write`] is the way. Lets a

@@ -14,11 +14,12 @@
 
 use std::sync::Arc;
 
-use bytes::{Bytes, BytesMut};
+use bytes::BytesMut;
 use tokio::sync::Mutex;
 
 use super::{
-    backend_future, Backend, BackendError, BackendFuture, Capabilities, Extent, ReadData, ZeroFlags,
+    backend_future, Backend, BackendError, BackendFuture, Capabilities, Extent, ReadData,
+    WriteData, ZeroFlags,
 };
 use crate::wire::NbdError;
 
@@ -27,7 +28,7 @@ use crate::wire::NbdError;
 struct Cached {
     offset: u64,
     length: u64,
-    data: Option<Bytes>,
+    data: Option<WriteData>,
 }
 
 impl Cached {
@@ -51,7 +52,7 @@ impl Cached {
                     data: self
                         .data
                         .as_ref()
-                        .map(|d| d.slice(skip..skip + (to - from) as usize)),
+                        .map(|d| d.slice(skip, (to - from) as usize)),
                 });
             }
         }
@@ -224,7 +225,7 @@ impl Backend for PowerCut {
         })
     }
 
-    fn write(&self, offset: u64, data: Bytes, fua: bool) -> BackendFuture<'_, ()> {
+    fn write(&self, offset: u64, data: WriteData, fua: bool) -> BackendFuture<'_, ()> {
         let change = Cached {
             offset,
             length: data.len() as u64,
@@ -294,6 +295,7 @@ impl Backend for PowerCut {
 mod tests {
     use super::*;
     use crate::backend::memory::MemoryBackend;
+    use bytes::Bytes;
 
     fn block_on<T>(f: impl std::future::Future<Output = T>) -> T {
         tokio::runtime::Builder::new_current_thread()
@@ -318,7 +320,7 @@ mod tests {
         block_on(async {
             let (media, layer) = layer();
             layer
-                .write(0, Bytes::from(vec![1u8; 4096]), false)
+                .write(0, Bytes::from(vec![1u8; 4096]).into(), false)
                 .await
                 .unwrap();
             assert_eq!(
@@ -344,17 +346,20 @@ mod tests {
             block_on(async {
                 let (media, layer) = layer();
                 layer
-                    .write(0, Bytes::from(vec![9u8; 512]), false)
+                    .write(0, Bytes::from(vec![9u8; 512]).into(), false)
                     .await
                     .unwrap();
                 layer.flush().await.unwrap();
                 layer
-                    .write(4096, Bytes::from(vec![7u8; 512]), true)
+                    .write(4096, Bytes::from(vec![7u8; 512]).into(), true)
                     .await
                     .unwrap();
                 for i in 0..8u64 {
                     let data = Bytes::from(vec![i as u8 + 10; 512]);
-                    layer.write(8192 + i * 512, data, false).await.unwrap();
+                    layer
+                        .write(8192 + i * 512, data.into(), false)
+                        .await
+                        .unwrap();
                 }
                 let (total, written) = layer.cut(seed).await.unwrap();
                 assert_eq!(total, 8);
@@ -374,7 +379,7 @@ mod tests {
                     "the layer is off after a cut"
                 );
                 assert!(layer
-                    .write(0, Bytes::from_static(b"x"), true)
+                    .write(0, Bytes::from_static(b"x").into(), true)
                     .await
                     .is_err());
             });
@@ -391,11 +396,11 @@ mod tests {
             block_on(async {
                 let (media, layer) = layer();
                 layer
-                    .write(0, Bytes::from(vec![1u8; 4096]), false)
+                    .write(0, Bytes::from(vec![1u8; 4096]).into(), false)
                     .await
                     .unwrap();
                 layer
-                    .write(1024, Bytes::from(vec![2u8; 1024]), true)
+                    .write(1024, Bytes::from(vec![2u8; 1024]).into(), true)
                     .await
                     .unwrap();
                 layer.cut(seed).await.unwrap();
@@ -413,7 +418,7 @@ mod tests {
         block_on(async {
             let (_media, layer) = layer();
             layer
-                .write(0, Bytes::from(vec![5u8; 8192]), true)
+                .write(0, Bytes::from(vec![5u8; 8192]).into(), true)
                 .await
                 .unwrap();
             layer.trim(0, 100, false).await.unwrap();

@@ -44,7 +44,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use io_uring::{opcode, squeue, types, IoUring};
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
@@ -52,7 +51,8 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 
 use super::answer::{AnswerPool, AnswerSender};
-use crate::buffer::{Buffer, SharedBuffer};
+use super::WriteData;
+use crate::buffer::Buffer;
 
 /// Submission queue entries; a full queue is submitted and reused.
 const SUBMISSION_ENTRIES: u32 = 256;
@@ -146,47 +146,6 @@ pub fn alone<R>(work: impl FnOnce() -> R) -> R {
 struct Completion {
     result: i32,
     buffer: Option<Buffer>,
-}
-
-/// The bytes a write takes: shared `Bytes` (a payload as it arrived), or a pooled buffer
-/// (a payload copied into alignment for direct I/O), which is shared without an
-/// allocation.
-pub enum WriteData {
-    Shared(Bytes),
-    Pooled(SharedBuffer),
-}
-
-impl WriteData {
-    /// The bytes `[start, start + length)`, sharing the buffer.
-    pub fn slice(&self, start: usize, length: usize) -> WriteData {
-        match self {
-            WriteData::Shared(bytes) => WriteData::Shared(bytes.slice(start..start + length)),
-            WriteData::Pooled(shared) => WriteData::Pooled(shared.slice(start, length)),
-        }
-    }
-}
-
-impl std::ops::Deref for WriteData {
-    type Target = [u8];
-
-    fn deref(&self) -> &[u8] {
-        match self {
-            WriteData::Shared(bytes) => bytes,
-            WriteData::Pooled(shared) => shared,
-        }
-    }
-}
-
-impl From<Bytes> for WriteData {
-    fn from(bytes: Bytes) -> WriteData {
-        WriteData::Shared(bytes)
-    }
-}
-
-impl From<SharedBuffer> for WriteData {
-    fn from(shared: SharedBuffer) -> WriteData {
-        WriteData::Pooled(shared)
-    }
 }
 
 /// What an entry in flight points at, kept alive until its completion.
@@ -995,6 +954,7 @@ impl Drop for RingState {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bytes::Bytes;
     use std::future::Future as _;
     use std::io::Write as _;
 

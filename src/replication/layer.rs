@@ -7,7 +7,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use bytes::Bytes;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::{oneshot, Notify};
 use tracing::{info, warn};
@@ -18,7 +17,8 @@ use super::meta::{MetaError, Metadata, AL_SLOTS, EXTENT_SIZE, REGION_SIZE};
 use super::peer::{PeerConn, Plan, WaitKey};
 use super::wire::{piece_checksums, write_flags, DiskState, Message, ResyncStatus, Role};
 use crate::backend::{
-    backend_future, Backend, BackendError, BackendFuture, Capabilities, Extent, ReadData, ZeroFlags,
+    backend_future, Backend, BackendError, BackendFuture, Capabilities, Extent, ReadData,
+    WriteData, ZeroFlags,
 };
 use crate::tcp::TcpSettings;
 use crate::wire::NbdError;
@@ -678,7 +678,7 @@ impl Shared {
                     status: 0, data, ..
                 })) if data.len() == length => {
                     warn!(peer = %conn.peer, "local read failed ({error}): served from the peer, rewriting locally");
-                    if let Err(e) = self.local.write(offset, data.clone(), true).await {
+                    if let Err(e) = self.local.write(offset, data.clone().into(), true).await {
                         warn!("rewriting the healed block failed: {e}");
                     }
                     return Ok(ReadData::dense(data));
@@ -1021,11 +1021,13 @@ impl Backend for ReplicatedBackend {
         self.shared.local.all_cached(offset, length)
     }
 
-    fn write(&self, offset: u64, data: Bytes, fua: bool) -> BackendFuture<'_, ()> {
+    fn write(&self, offset: u64, data: WriteData, fua: bool) -> BackendFuture<'_, ()> {
         backend_future(async move {
             let length = data.len() as u64;
             let flags = if fua { write_flags::FUA } else { 0 };
             let local_data = data.clone();
+            // What the peers are sent: a pooled payload is wrapped once for all of them.
+            let data = data.into_bytes();
             let local = move || self.shared.local.write(offset, local_data, fua);
             self.shared
                 .replicate("write", offset, length, local, |seq| Message::Write {

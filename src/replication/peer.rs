@@ -628,7 +628,7 @@ async fn handle<'a>(
             applying.push(backend_future(async move {
                 let result = if fits {
                     apply_logged(&shared, offset, length, || {
-                        local.write(offset, data, flags & write_flags::FUA != 0)
+                        local.write(offset, data.into(), flags & write_flags::FUA != 0)
                     })
                     .await
                 } else {
@@ -780,7 +780,7 @@ async fn handle<'a>(
             applying.push(backend_future(async move {
                 // Made durable by the barrier the source sends before it clears the bit.
                 let result = if fits {
-                    local.write(offset, data, false).await
+                    local.write(offset, data.into(), false).await
                 } else {
                     Err(out_of_range("resync", offset, 0))
                 };

@@ -15,7 +15,8 @@ use super::meta::Metadata;
 use super::peer::run_replication;
 use crate::backend::memory::MemoryBackend;
 use crate::backend::{
-    backend_future, Backend, BackendError, BackendFuture, Capabilities, Extent, ReadData, ZeroFlags,
+    backend_future, Backend, BackendError, BackendFuture, Capabilities, Extent, ReadData,
+    WriteData, ZeroFlags,
 };
 use crate::tcp::TcpSettings;
 use crate::wire::NbdError;
@@ -49,7 +50,7 @@ impl Backend for BadSector {
         }
         self.inner.read(offset, length)
     }
-    fn write(&self, offset: u64, data: Bytes, fua: bool) -> BackendFuture<'_, ()> {
+    fn write(&self, offset: u64, data: WriteData, fua: bool) -> BackendFuture<'_, ()> {
         if offset == 0 && data.len() >= 65536 {
             self.bad.store(false, Ordering::Release);
         }
@@ -179,10 +180,16 @@ async fn every_protocol_delivers_writes_trims_and_zeroes_by_the_next_flush() {
         let backend = ReplicatedBackend {
             shared: Arc::clone(&pair.primary),
         };
-        backend.write(0, pattern(1, 1 << 20), false).await.unwrap();
-        backend.write(4096, pattern(2, 512), true).await.unwrap();
         backend
-            .write(3 << 20, pattern(3, 200_000), false)
+            .write(0, pattern(1, 1 << 20).into(), false)
+            .await
+            .unwrap();
+        backend
+            .write(4096, pattern(2, 512).into(), true)
+            .await
+            .unwrap();
+        backend
+            .write(3 << 20, pattern(3, 200_000).into(), false)
             .await
             .unwrap();
         backend
@@ -233,7 +240,7 @@ async fn a_local_read_error_is_served_by_the_peer_and_rewritten_locally() {
         shared: Arc::clone(&pair.primary),
     };
     let data = pattern(9, 65536);
-    backend.write(0, data.clone(), false).await.unwrap();
+    backend.write(0, data.clone().into(), false).await.unwrap();
     bad.bad.store(true, Ordering::Release);
     assert!(bad.read(0, 4096).await.is_err(), "the fault is in place");
     let read = backend.read(0, 65536).await.unwrap();
@@ -251,7 +258,7 @@ async fn a_secondary_refuses_client_writes_and_exports_read_only() {
     };
     assert!(secondary.capabilities().read_only);
     let refused = secondary
-        .write(0, pattern(1, 512), false)
+        .write(0, pattern(1, 512).into(), false)
         .await
         .unwrap_err();
     assert_eq!(refused.errno, NbdError::Perm);
@@ -276,7 +283,10 @@ async fn three_nodes_all_hold_every_write_and_secondaries_link_idle() {
     };
     for i in 0..32u64 {
         let data = pattern(i as u8, 4096 * (1 + i as usize % 5));
-        backend.write(i * 200_000, data, i % 7 == 0).await.unwrap();
+        backend
+            .write(i * 200_000, data.into(), i % 7 == 0)
+            .await
+            .unwrap();
     }
     backend.flush().await.unwrap();
     // The secondaries' own link comes up on its own schedule.
@@ -331,7 +341,7 @@ async fn the_first_full_resync_sends_only_differing_regions_at_the_configured_ra
     // resync of those must take about half a second, and the equal 6 MiB cost no data.
     let local = Arc::new(MemoryBackend::new(SIZE, false));
     local
-        .write(1 << 20, pattern(5, 2 << 20), false)
+        .write(1 << 20, pattern(5, 2 << 20).into(), false)
         .await
         .unwrap();
     let started = std::time::Instant::now();
@@ -372,14 +382,17 @@ async fn a_resync_run_sends_only_its_regions_that_differ() {
     let base = pattern(9, SIZE as usize);
     let primary = Arc::new(MemoryBackend::new(SIZE, false));
     let secondary = Arc::new(MemoryBackend::new(SIZE, false));
-    primary.write(0, base.clone(), false).await.unwrap();
-    secondary.write(0, base, false).await.unwrap();
+    primary.write(0, base.clone().into(), false).await.unwrap();
+    secondary.write(0, base.into(), false).await.unwrap();
     let differing = [1u64, 3, 4, 5, 7, 40, SIZE / REGION - 1];
     for &region in &differing {
         // Region 7 differs in one sector only.
         let length = if region == 7 { 512 } else { REGION as usize };
         let data = pattern(region as u8 + 100, length);
-        primary.write(region * REGION, data, false).await.unwrap();
+        primary
+            .write(region * REGION, data.into(), false)
+            .await
+            .unwrap();
     }
     let pair = cluster("C", 2, primary, "100G", 2, Some(secondary)).await;
     let mine = pair
@@ -425,7 +438,10 @@ async fn a_connected_peer_takes_the_new_generation_when_another_is_away() {
     let backend = ReplicatedBackend {
         shared: Arc::clone(&pair.primary),
     };
-    backend.write(0, pattern(4, 4096), false).await.unwrap();
+    backend
+        .write(0, pattern(4, 4096).into(), false)
+        .await
+        .unwrap();
     backend.flush().await.unwrap();
     let after = pair.primary.status();
     assert_ne!(
@@ -467,7 +483,7 @@ async fn the_layer_also_runs_on_a_current_thread_runtime() {
         shared: Arc::clone(&pair.primary),
     };
     backend
-        .write(5 << 20, pattern(6, 8192), true)
+        .write(5 << 20, pattern(6, 8192).into(), true)
         .await
         .unwrap();
     backend.flush().await.unwrap();
@@ -499,7 +515,7 @@ impl Backend for OrderRecorder {
     fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
         self.inner.read(offset, length)
     }
-    fn write(&self, offset: u64, data: Bytes, fua: bool) -> BackendFuture<'_, ()> {
+    fn write(&self, offset: u64, data: WriteData, fua: bool) -> BackendFuture<'_, ()> {
         backend_future(async move {
             if offset == 0 {
                 tokio::time::sleep(Duration::from_millis(200)).await;
@@ -548,9 +564,12 @@ async fn under_protocol_a_a_secondary_applies_writes_in_the_order_sent() {
         shared: Arc::clone(&pair.primary),
     };
     recorder.completed.lock().unwrap().clear();
-    backend.write(0, pattern(1, 4096), false).await.unwrap();
     backend
-        .write(1 << 20, pattern(2, 4096), false)
+        .write(0, pattern(1, 4096).into(), false)
+        .await
+        .unwrap();
+    backend
+        .write(1 << 20, pattern(2, 4096).into(), false)
         .await
         .unwrap();
     backend.flush().await.unwrap();
@@ -578,13 +597,13 @@ async fn after_a_failover_a_write_only_one_secondary_got_is_resynced_to_the_othe
     };
     let offset = 3 << 20;
     backend
-        .write(offset, pattern(1, 65536), false)
+        .write(offset, pattern(1, 65536).into(), false)
         .await
         .unwrap();
     backend.flush().await.unwrap();
     let (beta, gamma) = (&trio.secondaries[0], &trio.secondaries[1]);
     beta.local
-        .write(offset + 4096, pattern(2, 4096), false)
+        .write(offset + 4096, pattern(2, 4096).into(), false)
         .await
         .unwrap();
     // The primary dies: it changes nothing on the way down (as after SIGKILL), and both
@@ -688,7 +707,7 @@ impl Backend for Stall {
     fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
         self.inner.read(offset, length)
     }
-    fn write(&self, offset: u64, data: Bytes, fua: bool) -> BackendFuture<'_, ()> {
+    fn write(&self, offset: u64, data: WriteData, fua: bool) -> BackendFuture<'_, ()> {
         if self.stall.load(Ordering::Acquire) {
             return backend_future(std::future::pending());
         }
@@ -733,7 +752,7 @@ async fn a_peer_lost_while_a_demotion_drains_its_writes_misses_them_in_the_bitma
     let primary = Arc::clone(&pair.primary);
     let write = tokio::spawn(async move {
         let backend = ReplicatedBackend { shared: primary };
-        backend.write(5 << 20, pattern(3, 4096), false).await
+        backend.write(5 << 20, pattern(3, 4096).into(), false).await
     });
     let conn = pair
         .primary

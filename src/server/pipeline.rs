@@ -41,7 +41,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
-use bytes::{Buf, BufMut, Bytes, BytesMut};
+use bytes::{Buf, BufMut, BytesMut};
 use rustix::io::Errno;
 use smallvec::{smallvec, SmallVec};
 use tokio::io::{AsyncWriteExt, ReadBuf};
@@ -55,7 +55,7 @@ use super::in_flight::InFlight;
 use super::validate::{validate, Command, Limits};
 use super::Stream;
 use crate::backend::splice::Spliced;
-use crate::backend::{Backend, BackendError, Pieces, ReadData, ZeroFlags};
+use crate::backend::{Backend, BackendError, Pieces, ReadData, WriteData, ZeroFlags};
 use crate::buffer::{Buffer, MIN_POOLED};
 use crate::wire::transmission::{ReplyEncoder, ReplyStyle, RequestHeader, RequestStyle};
 use crate::wire::{cmd, NbdError, BASE_ALLOCATION_ID, MAX_PAYLOAD};
@@ -523,7 +523,7 @@ impl Pipeline {
                         }
                         if pending.streamed.is_some() {
                             // A full piece of a streamed write goes to the backend now.
-                            self.start_write_piece(&pending, buffer.into_bytes());
+                            self.start_write_piece(&pending, buffer.share().into());
                             pending.sent += want;
                             if pending.sent < need {
                                 let next = (need - pending.sent).min(WRITE_PIECE as usize);
@@ -532,14 +532,14 @@ impl Pipeline {
                             }
                             continue;
                         }
-                        buffer.into_bytes()
+                        buffer.share().into()
                     }
                     PayloadInto::ReadBuffer if self.inbuf.len() < need => {
                         self.inbuf.reserve(need - self.inbuf.len());
                         self.awaiting_payload = Some(pending);
                         return Ok(());
                     }
-                    PayloadInto::ReadBuffer => self.inbuf.split_to(need).freeze(),
+                    PayloadInto::ReadBuffer => self.inbuf.split_to(need).freeze().into(),
                 };
                 self.admit(pending.header, pending.command, Some(payload));
                 continue;
@@ -633,7 +633,7 @@ impl Pipeline {
 
     /// Starts writing one full piece of a streamed write; the piece that completes last
     /// sends the reply.
-    fn start_write_piece(&mut self, pending: &PendingPayload, data: Bytes) {
+    fn start_write_piece(&mut self, pending: &PendingPayload, data: WriteData) {
         let (Command::Write { offset, fua, .. }, Some(shared)) =
             (pending.command, &pending.streamed)
         else {
@@ -769,7 +769,7 @@ impl Pipeline {
 
     /// Starts a validated request. A write's payload budget was taken when its header was
     /// parsed; a read's is taken here.
-    fn admit(&mut self, header: RequestHeader, command: Command, payload: Option<Bytes>) {
+    fn admit(&mut self, header: RequestHeader, command: Command, payload: Option<WriteData>) {
         let backend = Arc::clone(&self.backend);
         let cookie = header.cookie;
         let offset = header.offset;
@@ -1685,7 +1685,7 @@ mod tests {
         fn write(
             &self,
             offset: u64,
-            data: Bytes,
+            data: WriteData,
             fua: bool,
         ) -> crate::backend::BackendFuture<'_, ()> {
             self.writes

@@ -449,12 +449,6 @@ impl Default for WriteData {
     }
 }
 
-impl From<Vec<u8>> for WriteData {
-    fn from(bytes: Vec<u8>) -> WriteData {
-        WriteData::Shared(bytes.into())
-    }
-}
-
 /// Data returned by a read: the bytes, and which runs of them are holes (zeroes the
 /// backend did not have to store), so structured replies can send `OFFSET_HOLE` for them.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -286,7 +286,7 @@ impl Buffer {
     /// Shares the buffer as `Bytes`; it returns to the pool when the last clone is dropped.
     /// (`Bytes` boxes its owner: [`Buffer::share`] does not allocate.)
     pub fn into_bytes(self) -> Bytes {
-        Bytes::from_owner(self.whole)
+        self.whole.into()
     }
 
     /// Shares the buffer read-only, without an allocation; it returns to the pool when
@@ -355,6 +355,14 @@ impl SharedBuffer {
             len: length,
             class: self.class,
         }
+    }
+}
+
+/// The shared bytes as `Bytes`, for what takes only `Bytes`: this boxes the buffer as the
+/// owner (one allocation), where sharing a [`SharedBuffer`] allocates nothing.
+impl From<SharedBuffer> for Bytes {
+    fn from(shared: SharedBuffer) -> Bytes {
+        Bytes::from_owner(shared)
     }
 }
 

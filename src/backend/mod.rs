@@ -305,7 +305,7 @@ impl Pieces {
         match self {
             Pieces::One(one) => one.clone(),
             Pieces::Page(part) => Bytes::from(part.clone()),
-            Pieces::Pooled(shared) => Bytes::from_owner(shared.clone()),
+            Pieces::Pooled(shared) => shared.clone().into(),
             Pieces::Many(many) => {
                 let mut all = Vec::with_capacity(self.len());
                 for piece in many {
@@ -414,7 +414,7 @@ impl WriteData {
     pub fn into_bytes(self) -> Bytes {
         match self {
             WriteData::Shared(bytes) => bytes,
-            WriteData::Pooled(shared) => Bytes::from_owner(shared),
+            WriteData::Pooled(shared) => shared.into(),
         }
     }
 }

@@ -446,7 +446,8 @@ enum Request {
 
 impl Ring {
     /// Sets up a ring. Completions are reaped by a task spawned on the runtime of the first
-    /// submission (and again if that runtime has gone).
+    /// submission, or the one its thread names with [`set_reaper_runtime`] (and again if
+    /// that runtime has gone).
     pub fn new() -> io::Result<Arc<Ring>> {
         Ring::build(false)
     }
@@ -782,6 +783,12 @@ impl Ring {
         state.handed_out
     }
 
+    /// Completions handed out so far, without reaping any.
+    #[cfg(test)]
+    pub(crate) fn handed_out(&self) -> u64 {
+        self.lock().handed_out
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, RingState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -860,16 +867,17 @@ impl Ring {
         {
             return Ok(());
         }
-        let named = REAPER_RUNTIME
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        let named = REAPER_RUNTIME.with(|named| named.borrow().clone());
         let handle = match named {
             Some(handle) => handle,
             None => tokio::runtime::Handle::try_current()
                 .map_err(|_| io::Error::other("io_uring submissions need a tokio runtime"))?,
         };
         let eventfd = self.eventfd.try_clone()?;
+        // The eventfd is watched by the reaper's runtime: registered with the caller's
+        // instead (a connection thread's), its completions were noticed only when that
+        // thread next waited for events, however long its connection kept it busy.
+        let _reaper_runtime = handle.enter();
         // SAFETY: the `AsyncFd` owns this duplicate descriptor (an `OwnedFd`), so it stays
         // open and names the same eventfd until the `AsyncFd` is dropped.
         let eventfd = unsafe { AsyncFd::register_with_interest(eventfd, Interest::READABLE) }
@@ -880,16 +888,22 @@ impl Ring {
     }
 }
 
-/// Where rings start their reapers, when set (see [`set_reaper_runtime`]).
-static REAPER_RUNTIME: std::sync::Mutex<Option<tokio::runtime::Handle>> =
-    std::sync::Mutex::new(None);
+thread_local! {
+    /// Where rings first used on this thread start their reapers, when set (see
+    /// [`set_reaper_runtime`]).
+    static REAPER_RUNTIME: RefCell<Option<tokio::runtime::Handle>> = const { RefCell::new(None) };
+}
 
-/// Names the runtime that rings start their reapers on from now (`None`: the runtime of
-/// the request that starts one). A server whose connections each run on a thread of their
-/// own names a shared runtime here, so that completions are handed out by a task that no
-/// busy connection holds up, whichever thread submitted them.
+/// Names the runtime that rings first used on this thread start their reapers on (`None`:
+/// the thread's own runtime). A server whose connections each run on a thread of their own
+/// (`server::ConnectionThreads`) names its shared runtime on each of those threads, so that
+/// completions are handed out by a task that no busy connection holds up, whichever thread
+/// submitted them.
+///
+/// Per thread, not per process: a process-wide setting (until session 36) reached every
+/// server in the process and every test beside them.
 pub fn set_reaper_runtime(handle: Option<tokio::runtime::Handle>) {
-    *REAPER_RUNTIME.lock().unwrap_or_else(|e| e.into_inner()) = handle;
+    REAPER_RUNTIME.with(|named| *named.borrow_mut() = handle);
 }
 
 /// Whether the caller runs on a multi-threaded tokio runtime (`block_in_place` works

@@ -103,9 +103,6 @@ pub async fn serve_on(
     // Every connection holds a clone; when all are dropped, every connection is done.
     let (alive_tx, mut alive_rx) = mpsc::channel::<()>(1);
     let config = Arc::new(config);
-    if threads.is_some() {
-        crate::backend::uring::set_reaper_runtime(Some(tokio::runtime::Handle::current()));
-    }
     let threads = threads.map(Arc::new);
     let mut accept_tasks = Vec::new();
     let mut unix_paths = Vec::new();
@@ -141,7 +138,6 @@ pub async fn serve_on(
     if let Some(threads) = threads {
         // Joining the threads blocks; every connection on them has ended.
         let _ = tokio::task::spawn_blocking(move || drop(threads)).await;
-        crate::backend::uring::set_reaper_runtime(None);
     }
     info!("stopped");
     Ok(())
@@ -396,8 +392,10 @@ pub(crate) static CONNECTION_THREADS: AtomicUsize = AtomicUsize::new(0);
 
 impl ConnectionThreads {
     /// Starts `count` threads, each running a runtime until the value is dropped; returns
-    /// once every thread runs.
+    /// once every thread runs. Called on a runtime, that runtime runs the io_uring reapers
+    /// of rings first used on these threads (see `uring::set_reaper_runtime`).
     pub fn start(count: usize) -> std::io::Result<ConnectionThreads> {
+        let shared = tokio::runtime::Handle::try_current().ok();
         let mut runtimes = Vec::with_capacity(count);
         let mut threads = Vec::with_capacity(count);
         let (running_tx, running_rx) = std::sync::mpsc::channel::<()>();
@@ -412,10 +410,12 @@ impl ConnectionThreads {
                 stop: Some(stop_tx),
             });
             let running = running_tx.clone();
+            let shared = shared.clone();
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("netblk-conn-{index}"))
                     .spawn(move || {
+                        crate::backend::uring::set_reaper_runtime(shared);
                         let _ = running.send(());
                         runtime.block_on(async {
                             let _ = stop_rx.await;
@@ -595,5 +595,75 @@ async fn negotiate<S: Stream>(
             info!(export = %negotiated.export.name, reply = ?negotiated.reply_style, "transmission");
             Some(negotiated)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::uring::{plugged, Ring};
+    use crate::buffer::Buffer;
+    use std::os::unix::fs::OpenOptionsExt;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn rings_used_on_connection_threads_reap_on_the_runtime_that_started_them() {
+        // Data on the device, read with O_DIRECT (where the file system has it): the reads
+        // complete later, from the device, not while they are submitted.
+        let dir = ["/var/tmp", "/tmp"]
+            .into_iter()
+            .find(|d| std::path::Path::new(d).is_dir())
+            .unwrap();
+        let tmp = tempfile::NamedTempFile::new_in(dir).unwrap();
+        std::io::Write::write_all(&mut tmp.as_file(), &[5u8; 8 * 4096]).unwrap();
+        tmp.as_file().sync_all().unwrap();
+        let open = |flags| {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(flags)
+                .open(tmp.path())
+        };
+        let file = Arc::new(open(libc::O_DIRECT).or_else(|_| open(0)).unwrap());
+        let shared = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let threads = shared
+            .block_on(async { ConnectionThreads::start(1) })
+            .unwrap();
+        let ring = Ring::for_direct_io().unwrap();
+        let (handed_out_tx, handed_out_rx) = std::sync::mpsc::channel();
+        let on_thread = Arc::clone(&ring);
+        threads.runtimes[0].handle.spawn(async move {
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            let mut reads: Vec<_> = plugged(|| {
+                (0..8u64)
+                    .map(|i| {
+                        let mut read =
+                            Box::pin(on_thread.read(&file, i * 4096, Buffer::take(4096)));
+                        assert!(read.as_mut().poll(&mut cx).is_pending());
+                        read
+                    })
+                    .collect()
+            });
+            // This thread's runtime is held up from here on (as a busy connection holds
+            // it): only a reaper on the shared runtime hands the completions out.
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while on_thread.handed_out() < 8 && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let _ = handed_out_tx.send(on_thread.handed_out());
+            for read in &mut reads {
+                let std::task::Poll::Ready((result, buffer)) = read.as_mut().poll(&mut cx) else {
+                    panic!("a handed-out read is still pending");
+                };
+                assert_eq!(result.unwrap(), 4096);
+                assert!(buffer.as_ref().iter().all(|&b| b == 5));
+            }
+        });
+        assert_eq!(handed_out_rx.recv().unwrap(), 8);
+        drop(threads);
+        drop(ring);
     }
 }

@@ -325,16 +325,28 @@ impl Pieces {
             Pieces::Page(part) => Pieces::Page(part.slice(start, length)),
             Pieces::Pooled(shared) => Pieces::Pooled(shared.slice(start, length)),
             Pieces::Many(many) => {
-                let mut out = Vec::new();
+                // Each piece that overlaps the range, with the range's part of it.
                 let mut at = 0usize;
-                for piece in many {
-                    let (from, to) = (at.max(start), (at + piece.len()).min(end));
-                    if from < to {
-                        out.push(piece.slice(from - at, to - at));
-                    }
+                let mut overlapping = many.iter().filter_map(|piece| {
+                    let piece_start = at;
                     at += piece.len();
+                    let (from, to) = (piece_start.max(start), at.min(end));
+                    (from < to).then(|| (piece, from - piece_start, to - piece_start))
+                });
+                let Some(first) = overlapping.next() else {
+                    return Pieces::One(Bytes::new());
+                };
+                let Some(second) = overlapping.next() else {
+                    // A part within one piece (a merged read's reply within one page) is
+                    // that piece's part, without a list to build and free.
+                    let (piece, from, to) = first;
+                    return Pieces::from(piece.slice(from, to));
+                };
+                let mut out = Vec::with_capacity(many.len());
+                for (piece, from, to) in [first, second].into_iter().chain(overlapping) {
+                    out.push(piece.slice(from, to));
                 }
-                Pieces::from(out)
+                Pieces::Many(out)
             }
         }
     }
@@ -367,15 +379,21 @@ impl From<SharedBuffer> for Pieces {
     }
 }
 
+impl From<Piece> for Pieces {
+    fn from(piece: Piece) -> Pieces {
+        match piece {
+            Piece::Shared(bytes) => Pieces::One(bytes),
+            Piece::Page(part) => Pieces::Page(part),
+        }
+    }
+}
+
 /// A list of one piece is kept as that piece, without the list.
 impl From<Vec<Piece>> for Pieces {
     fn from(mut pieces: Vec<Piece>) -> Pieces {
         match pieces.len() {
             0 => Pieces::One(Bytes::new()),
-            1 => match pieces.pop().expect("one piece") {
-                Piece::Shared(bytes) => Pieces::One(bytes),
-                Piece::Page(part) => Pieces::Page(part),
-            },
+            1 => Pieces::from(pieces.pop().expect("one piece")),
             _ => Pieces::Many(pieces),
         }
     }
@@ -755,6 +773,9 @@ mod tests {
         }
         assert_eq!(split.slice(99, 3).slices().count(), 3, "shares the buffers");
         assert_eq!(split.slice(10, 5).slices().count(), 1);
+        // A part within one piece is that piece's part, not a list of one.
+        assert!(matches!(split.slice(10, 5), Pieces::One(_)));
+        assert!(matches!(split.slice(120, 30), Pieces::Page(_)));
         let one = Pieces::from(Bytes::from(all.clone()));
         for (start, len) in [(0, 256), (10, 20), (255, 1), (256, 0)] {
             assert_eq!(

@@ -283,12 +283,6 @@ impl Buffer {
         self.whole.in_arena()
     }
 
-    /// Shares the buffer as `Bytes`; it returns to the pool when the last clone is dropped.
-    /// (`Bytes` boxes its owner: [`Buffer::share`] does not allocate.)
-    pub fn into_bytes(self) -> Bytes {
-        self.whole.into()
-    }
-
     /// Shares the buffer read-only, without an allocation; it returns to the pool when
     /// the last [`SharedBuffer`] made from it is dropped.
     pub fn share(self) -> SharedBuffer {
@@ -456,7 +450,7 @@ mod tests {
         let mut first = Buffer::take(len);
         first.as_mut().fill(7);
         let address = first.as_ref().as_ptr();
-        drop(first.into_bytes());
+        drop(first.share());
         let second = Buffer::take(len - 100);
         assert_eq!(second.len(), len - 100);
         // Same class, so (on this thread, with nothing else taking it) the same storage:
@@ -475,7 +469,7 @@ mod tests {
             let buffer = Buffer::take(len);
             assert_eq!(buffer.as_ref().as_ptr() as usize % ALIGN, 0, "len {len}");
             assert_eq!(
-                buffer.into_bytes().as_ptr() as usize % ALIGN,
+                Bytes::from(buffer.share()).as_ptr() as usize % ALIGN,
                 0,
                 "len {len}"
             );
@@ -580,7 +574,7 @@ mod tests {
         };
         assert!(!heap.in_arena());
         assert!(!heap.share().in_arena());
-        let bytes = arena_buffer(3 * 4096).into_bytes();
+        let bytes = Bytes::from(arena_buffer(3 * 4096).share());
         assert!(
             in_arena(bytes.as_ptr(), bytes.len()),
             "Bytes made from it too"

@@ -1242,8 +1242,8 @@ mod tests {
             for (i, b) in data.as_mut().iter_mut().enumerate() {
                 *b = (i % 253) as u8;
             }
-            let data = data.into_bytes();
             // As the pipeline passes a large payload it gathered into a pooled buffer.
+            let data = data.share();
             let written = ring.write(&file, 4096, data.clone(), 0).await.unwrap();
             assert_eq!(written, 8192);
             let mut second = crate::buffer::arena_buffer(4096);

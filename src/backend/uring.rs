@@ -974,6 +974,36 @@ impl Drop for RingState {
     }
 }
 
+/// A scratch file of `len` bytes that start with `contents`, synced to the disk, opened for
+/// reading and writing with `O_DIRECT` where the file system has it (not tmpfs): on
+/// /var/tmp when there is one. Direct reads of it complete from the device, later than
+/// they are submitted.
+#[cfg(test)]
+pub(crate) fn direct_scratch_file(
+    contents: &[u8],
+    len: u64,
+) -> (tempfile::NamedTempFile, Arc<File>) {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt;
+    let dir = ["/var/tmp", "/tmp"]
+        .into_iter()
+        .find(|d| std::path::Path::new(d).is_dir())
+        .unwrap();
+    let mut tmp = tempfile::NamedTempFile::new_in(dir).unwrap();
+    tmp.write_all(contents).unwrap();
+    tmp.as_file().set_len(len).unwrap();
+    tmp.as_file().sync_all().unwrap();
+    let open = |flags| {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(flags)
+            .open(tmp.path())
+    };
+    let file = Arc::new(open(libc::O_DIRECT).or_else(|_| open(0)).unwrap());
+    (tmp, file)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1215,23 +1245,9 @@ mod tests {
 
     #[test]
     fn a_direct_ring_reads_and_writes_arena_buffers_as_fixed_buffers() {
-        use std::os::unix::fs::OpenOptionsExt;
-        // O_DIRECT where the file system has it (not tmpfs), so the kernel really maps the
-        // registered pages for the device; fixed buffers serve buffered files as well.
-        let dir = ["/var/tmp", "/tmp"]
-            .into_iter()
-            .find(|d| std::path::Path::new(d).is_dir())
-            .unwrap();
-        let tmp = tempfile::NamedTempFile::new_in(dir).unwrap();
-        tmp.as_file().set_len(1 << 20).unwrap();
-        let open = |direct: bool| {
-            std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .custom_flags(if direct { libc::O_DIRECT } else { 0 })
-                .open(tmp.path())
-        };
-        let file = Arc::new(open(true).or_else(|_| open(false)).unwrap());
+        // O_DIRECT, so the kernel really maps the registered pages for the device; fixed
+        // buffers serve buffered files as well.
+        let (_tmp, file) = direct_scratch_file(&[], 1 << 20);
         let ring = Ring::for_direct_io().unwrap();
         assert!(
             ring.fixed_buffers,

@@ -601,29 +601,15 @@ async fn negotiate<S: Stream>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::uring::{plugged, Ring};
+    use crate::backend::uring::{direct_scratch_file, plugged, Ring};
     use crate::buffer::Buffer;
-    use std::os::unix::fs::OpenOptionsExt;
     use std::time::{Duration, Instant};
 
     #[test]
     fn rings_used_on_connection_threads_reap_on_the_runtime_that_started_them() {
-        // Data on the device, read with O_DIRECT (where the file system has it): the reads
-        // complete later, from the device, not while they are submitted.
-        let dir = ["/var/tmp", "/tmp"]
-            .into_iter()
-            .find(|d| std::path::Path::new(d).is_dir())
-            .unwrap();
-        let tmp = tempfile::NamedTempFile::new_in(dir).unwrap();
-        std::io::Write::write_all(&mut tmp.as_file(), &[5u8; 8 * 4096]).unwrap();
-        tmp.as_file().sync_all().unwrap();
-        let open = |flags| {
-            std::fs::OpenOptions::new()
-                .read(true)
-                .custom_flags(flags)
-                .open(tmp.path())
-        };
-        let file = Arc::new(open(libc::O_DIRECT).or_else(|_| open(0)).unwrap());
+        // Data on the device, read with O_DIRECT: the reads complete later, from the
+        // device, not while they are submitted.
+        let (_tmp, file) = direct_scratch_file(&[5u8; 8 * 4096], 8 * 4096);
         let shared = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()

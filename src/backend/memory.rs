@@ -23,7 +23,7 @@ use bytes::Bytes;
 use super::page_pool::PageBuf;
 use super::{
     backend_future, Backend, BackendFuture, Capabilities, Extent, PagePart, PageStore, Piece,
-    Pieces, ReadData, WriteData, ZeroFlags,
+    PieceList, Pieces, ReadData, WriteData, ZeroFlags,
 };
 
 /// Bytes per page: the allocation and hole granularity.
@@ -152,7 +152,7 @@ impl MemoryBackend {
                 runs: smallvec::smallvec![(length, hole)],
             };
         }
-        let mut pieces = Vec::with_capacity(length.div_ceil(PAGE_SIZE as usize) + 1);
+        let mut pieces = PieceList::with_capacity(length.div_ceil(PAGE_SIZE as usize) + 1);
         let mut runs = super::Runs::new();
         Self::for_each_piece(offset, length as u64, |page, in_page, _, len| {
             let part = self.page_part(page, in_page, len);

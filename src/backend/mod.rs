@@ -183,7 +183,7 @@ impl Extent {
 pub enum Pieces {
     One(Bytes),
     /// Several buffers in order: one list for the whole read, whatever each piece is.
-    Many(Vec<Piece>),
+    Many(PieceList),
     /// Part of one memory-export page, held by the page's own reference count: a read
     /// within one page (every 4 KiB read) allocates nothing. As a `Bytes` the part needs a
     /// boxed owner per read; its allocation, free and reference counting were 1.4% of the
@@ -226,6 +226,83 @@ impl Piece {
             Piece::Shared(bytes) => Piece::Shared(bytes.slice(start..end)),
             Piece::Page(part) => Piece::Page(part.slice(start, end - start)),
         }
+    }
+}
+
+/// The list of a [`Pieces::Many`]: when dropped, it goes back emptied to a small pool of
+/// its thread's, from which [`PieceList::with_capacity`] takes lists.
+///
+/// Measured reason: a memory read over one page built a list of its pages, and a 1 MiB
+/// read (two 512 KiB pieces) allocated two, all it still allocated per read
+/// (`tests/allocations.rs`, session 36). Lists are made and dropped on the connection's
+/// thread: the read when it is parsed or by its piece's future, the drop when its reply
+/// has been sent.
+#[derive(Debug)]
+pub struct PieceList(Vec<Piece>);
+
+thread_local! {
+    /// Emptied lists of pieces, to be used again (see [`PieceList`]).
+    static IDLE_PIECE_LISTS: std::cell::RefCell<Vec<Vec<Piece>>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+impl PieceList {
+    /// Idle lists a thread keeps: the reads of a few connections' queues.
+    const KEEP: usize = 64;
+    /// Lists longer than this (a read of over 4 MiB of 64 KiB pages) are not kept.
+    const KEEP_CAPACITY: usize = 72;
+
+    /// An empty list with room for `capacity` pieces, from the pool when it has one.
+    pub fn with_capacity(capacity: usize) -> PieceList {
+        let mut list = IDLE_PIECE_LISTS
+            .try_with(|idle| idle.borrow_mut().pop())
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        list.reserve(capacity);
+        PieceList(list)
+    }
+
+    pub fn push(&mut self, piece: Piece) {
+        self.0.push(piece);
+    }
+}
+
+impl std::ops::Deref for PieceList {
+    type Target = [Piece];
+
+    fn deref(&self) -> &[Piece] {
+        &self.0
+    }
+}
+
+impl Clone for PieceList {
+    fn clone(&self) -> PieceList {
+        let mut list = PieceList::with_capacity(self.len());
+        list.0.extend(self.iter().cloned());
+        list
+    }
+}
+
+impl Drop for PieceList {
+    fn drop(&mut self) {
+        let capacity = self.0.capacity();
+        if capacity == 0 || capacity > Self::KEEP_CAPACITY {
+            return;
+        }
+        let mut list = std::mem::take(&mut self.0);
+        // The pieces let go of their pages and buffers here, before the list is kept.
+        list.clear();
+        let _ = IDLE_PIECE_LISTS.try_with(|idle| {
+            let mut idle = idle.borrow_mut();
+            if idle.len() < Self::KEEP {
+                if idle.capacity() == 0 {
+                    // Once, so that keeping a list never grows the pool's own list.
+                    idle.reserve_exact(Self::KEEP);
+                }
+                idle.push(list);
+            }
+        });
     }
 }
 
@@ -308,7 +385,7 @@ impl Pieces {
             Pieces::Pooled(shared) => shared.clone().into(),
             Pieces::Many(many) => {
                 let mut all = Vec::with_capacity(self.len());
-                for piece in many {
+                for piece in many.iter() {
                     all.extend_from_slice(piece.bytes());
                 }
                 all.into()
@@ -342,7 +419,7 @@ impl Pieces {
                     let (piece, from, to) = first;
                     return Pieces::from(piece.slice(from, to));
                 };
-                let mut out = Vec::with_capacity(many.len());
+                let mut out = PieceList::with_capacity(many.len());
                 for (piece, from, to) in [first, second].into_iter().chain(overlapping) {
                     out.push(piece.slice(from, to));
                 }
@@ -389,13 +466,19 @@ impl From<Piece> for Pieces {
 }
 
 /// A list of one piece is kept as that piece, without the list.
-impl From<Vec<Piece>> for Pieces {
-    fn from(mut pieces: Vec<Piece>) -> Pieces {
+impl From<PieceList> for Pieces {
+    fn from(mut pieces: PieceList) -> Pieces {
         match pieces.len() {
             0 => Pieces::One(Bytes::new()),
-            1 => Pieces::from(pieces.pop().expect("one piece")),
+            1 => Pieces::from(pieces.0.pop().expect("one piece")),
             _ => Pieces::Many(pieces),
         }
+    }
+}
+
+impl From<Vec<Piece>> for Pieces {
+    fn from(pieces: Vec<Piece>) -> Pieces {
+        Pieces::from(PieceList(pieces))
     }
 }
 
@@ -783,6 +866,40 @@ mod tests {
                 &all[start..start + len]
             );
         }
+    }
+
+    #[test]
+    fn a_dropped_piece_list_lets_go_of_its_pages_and_is_used_again() {
+        let page = Arc::new(PageBuf::copy_of(&vec![3u8; page_pool::PAGE_BYTES]));
+        let part = |start| {
+            Piece::Page(PagePart {
+                page: Arc::clone(&page),
+                start,
+                len: 100,
+            })
+        };
+        // A thread of its own: its pool starts empty.
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                let mut list = PieceList::with_capacity(4);
+                list.push(part(0));
+                list.push(part(100));
+                let storage = list.as_ptr();
+                let pieces = Pieces::from(list);
+                assert!(matches!(&pieces, Pieces::Many(many) if many.len() == 2));
+                assert_eq!(Arc::strong_count(&page), 3);
+                drop(pieces);
+                assert_eq!(Arc::strong_count(&page), 1, "the kept list holds no page");
+                let again = PieceList::with_capacity(4);
+                assert_eq!(again.as_ptr(), storage, "the same list, not a new one");
+                assert!(again.is_empty());
+                // A list of one piece becomes that piece; its list is kept too.
+                let mut one = again;
+                one.push(part(200));
+                assert!(matches!(Pieces::from(one), Pieces::Page(_)));
+                assert_eq!(PieceList::with_capacity(1).as_ptr(), storage);
+            });
+        });
     }
 
     #[test]

@@ -29,6 +29,7 @@ pub mod backend;
 pub mod buffer;
 pub mod config;
 pub mod fuzzing;
+pub mod idle;
 pub mod listen;
 pub mod loadgen;
 pub mod replication;

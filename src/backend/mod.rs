@@ -24,6 +24,7 @@ use bytes::Bytes;
 use stackfuture::StackFuture;
 
 use crate::buffer::SharedBuffer;
+use crate::idle::Idle;
 use crate::size::parse_size;
 use crate::wire::{transmission_flags as tf, NbdError};
 use page_pool::PageBuf;
@@ -241,21 +242,20 @@ impl Piece {
 pub struct PieceList(Vec<Piece>);
 
 thread_local! {
-    /// Emptied lists of pieces, to be used again (see [`PieceList`]).
-    static IDLE_PIECE_LISTS: std::cell::RefCell<Vec<Vec<Piece>>> =
-        const { std::cell::RefCell::new(Vec::new()) };
+    /// Emptied lists of pieces, to be used again (see [`PieceList`]): at most the reads
+    /// of a few connections' queues.
+    static IDLE_PIECE_LISTS: std::cell::RefCell<Idle<Vec<Piece>, 64>> =
+        const { std::cell::RefCell::new(Idle::new()) };
 }
 
 impl PieceList {
-    /// Idle lists a thread keeps: the reads of a few connections' queues.
-    const KEEP: usize = 64;
     /// Lists longer than this (a read of over 4 MiB of 64 KiB pages) are not kept.
     const KEEP_CAPACITY: usize = 72;
 
     /// An empty list with room for `capacity` pieces, from the pool when it has one.
     pub fn with_capacity(capacity: usize) -> PieceList {
         let mut list = IDLE_PIECE_LISTS
-            .try_with(|idle| idle.borrow_mut().pop())
+            .try_with(|idle| idle.borrow_mut().take())
             .ok()
             .flatten()
             .unwrap_or_default();
@@ -293,16 +293,7 @@ impl Drop for PieceList {
         let mut list = std::mem::take(&mut self.0);
         // The pieces let go of their pages and buffers here, before the list is kept.
         list.clear();
-        let _ = IDLE_PIECE_LISTS.try_with(|idle| {
-            let mut idle = idle.borrow_mut();
-            if idle.len() < Self::KEEP {
-                if idle.capacity() == 0 {
-                    // Once, so that keeping a list never grows the pool's own list.
-                    idle.reserve_exact(Self::KEEP);
-                }
-                idle.push(list);
-            }
-        });
+        let _ = IDLE_PIECE_LISTS.try_with(|idle| idle.borrow_mut().keep(list));
     }
 }
 

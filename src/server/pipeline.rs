@@ -57,6 +57,7 @@ use super::Stream;
 use crate::backend::splice::Spliced;
 use crate::backend::{Backend, BackendError, Pieces, ReadData, WriteData, ZeroFlags};
 use crate::buffer::{Buffer, MIN_POOLED};
+use crate::idle::Idle;
 use crate::wire::transmission::{ReplyEncoder, ReplyStyle, RequestHeader, RequestStyle};
 use crate::wire::{cmd, NbdError, BASE_ALLOCATION_ID, MAX_PAYLOAD};
 
@@ -156,17 +157,13 @@ type PieceRead = Pin<Box<dyn Future<Output = Result<ReadData, BackendError>> + S
 /// data still allocated (1.001 per read in `tests/allocations.rs`, session 36).
 #[derive(Default)]
 struct LaterPieces {
-    // The boxes themselves are what is kept, to be handed out again as they are.
-    #[allow(clippy::vec_box)]
-    idle: Vec<Box<LaterPiece>>,
+    /// At most the later pieces of a 32 MiB read and then some.
+    idle: Idle<Box<LaterPiece>, 64>,
 }
 
 impl LaterPieces {
-    /// Boxes kept at most: the later pieces of a 32 MiB read and then some.
-    const KEEP: usize = 64;
-
     fn boxed(&mut self, piece: LaterPiece) -> Box<LaterPiece> {
-        match self.idle.pop() {
+        match self.idle.take() {
             Some(mut kept) => {
                 *kept = piece;
                 kept
@@ -182,9 +179,7 @@ impl LaterPieces {
         };
         // The piece's read, if it had one, has completed: its future goes now.
         later.reading = None;
-        if self.idle.len() < Self::KEEP {
-            self.idle.push(later);
-        }
+        self.idle.keep(later);
     }
 }
 
@@ -249,20 +244,18 @@ impl From<Replies> for Finished {
 /// (`tests/allocations.rs`, session 36).
 #[derive(Default)]
 struct PartLists {
-    idle: Vec<Vec<ReadPart>>,
+    /// At most as many merged reads as are usually in flight at once.
+    idle: Idle<Vec<ReadPart>, 8>,
 }
 
 impl PartLists {
-    /// Lists kept at most: as many merged reads as are usually in flight at once.
-    const KEEP: usize = 8;
-
     fn take(&mut self) -> Vec<ReadPart> {
-        self.idle.pop().unwrap_or_default()
+        self.idle.take().unwrap_or_default()
     }
 
     fn give_back(&mut self, list: Vec<ReadPart>) {
-        if list.capacity() > 0 && self.idle.len() < Self::KEEP {
-            self.idle.push(list);
+        if list.capacity() > 0 {
+            self.idle.keep(list);
         }
     }
 }

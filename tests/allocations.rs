@@ -217,11 +217,12 @@ fn hold_every_export_to(load: &Load, bound: f64) {
 }
 
 /// The bound: no export allocates per request. What is left is not per request: a spilled
-/// `writev` list or a grown read buffer now and then, and under `--cache=none`, whose
-/// write payloads are shared out of the connection's read buffer, a new read buffer (and
-/// the shared header of the old one, which payloads in flight still hold) when the buffer
-/// fills: 0.04 per write, one pair per buffer of about 50 requests (`perf probe` on the
-/// server's `malloc`, session 33). Before session 32 the probe counted 1 per page-cache
+/// `writev` list or a grown read buffer now and then. Until session 37, `--cache=none`
+/// write payloads were shared out of the connection's read buffer, so a full buffer was
+/// replaced (a new buffer, and the shared header of the old one, which payloads in flight
+/// still held): 0.04 per write, one pair per buffer of about 50 requests (`perf probe` on
+/// the server's `malloc`, session 33). They are now gathered into pooled buffers
+/// (`Backend::wants_pooled_payloads`): 0.000. Before session 32 the probe counted 1 per page-cache
 /// read and 6 per `--cache=none` request, and this test 1.0, 1.8 and 7.5 (its client is
 /// slower, so fewer replies share a `writev`); after it 0 to 0.03 and, under
 /// `--cache=none`, 2.0 to 2.05: the backend's boxed future and the ring's completion

@@ -421,8 +421,11 @@ impl FileBackend {
         let data = if data.as_ptr() as usize % self.memory_align == 0 {
             data
         } else {
-            let mut aligned = Buffer::take(data.len());
-            aligned.as_mut().copy_from_slice(&data);
+            // Moved here so that it is let go of now, not after the write: a payload shared
+            // out of a connection's read buffer keeps that buffer from being reused.
+            let unaligned = data;
+            let mut aligned = Buffer::take(unaligned.len());
+            aligned.as_mut().copy_from_slice(&unaligned);
             WriteData::from(aligned.share())
         };
         self.write_through_ring(offset, data, fua).await
@@ -806,6 +809,10 @@ impl Backend for FileBackend {
     }
 
     fn completes_through_ring(&self) -> bool {
+        self.cache == CacheMode::None
+    }
+
+    fn wants_pooled_payloads(&self) -> bool {
         self.cache == CacheMode::None
     }
 }

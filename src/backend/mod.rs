@@ -675,6 +675,16 @@ pub trait Backend: Send + Sync + 'static {
     fn completes_through_ring(&self) -> bool {
         false
     }
+    /// Whether [`Backend::write`] wants every payload in a pooled, aligned buffer
+    /// ([`crate::buffer::Buffer`]), however short: direct I/O, which must copy a payload
+    /// that is not aligned into such a buffer anyway. A connection then gathers even a
+    /// short payload from its read buffer into a pooled buffer as it arrives, instead of
+    /// sharing it out of the read buffer: the copy is the same one, made earlier, the
+    /// payload goes to the ring as a fixed buffer, and the read buffer, which no payload
+    /// then holds, is reused when it fills instead of replaced.
+    fn wants_pooled_payloads(&self) -> bool {
+        false
+    }
     /// The backend's page store, when it keeps data in page-sized buffers it can take over
     /// whole: a connection then receives a page-aligned write's payload from the socket
     /// straight into such buffers and hands them over ([`PageStore`]), instead of reading

@@ -683,7 +683,7 @@ impl Pipeline {
                         } else {
                             len
                         };
-                        let into = if len >= MIN_POOLED {
+                        let into = if len >= MIN_POOLED || self.backend.wants_pooled_payloads() {
                             PayloadInto::Pooled(Buffer::take(first), 0)
                         } else {
                             PayloadInto::ReadBuffer
@@ -1758,6 +1758,8 @@ mod tests {
         declined: std::sync::atomic::AtomicUsize,
         spliced: std::sync::atomic::AtomicUsize,
         writes: std::sync::atomic::AtomicUsize,
+        /// Of `writes`, those whose payload came in a pooled buffer.
+        pooled_writes: std::sync::atomic::AtomicUsize,
         inline_writes: std::sync::atomic::AtomicUsize,
         fail_write_at: Option<u64>,
         fail_read_at: Option<u64>,
@@ -1780,6 +1782,7 @@ mod tests {
                 declined: Default::default(),
                 spliced: Default::default(),
                 writes: Default::default(),
+                pooled_writes: Default::default(),
                 inline_writes: Default::default(),
                 fail_write_at,
                 fail_read_at: None,
@@ -1849,6 +1852,9 @@ mod tests {
         fn all_cached(&self, offset: u64, length: u64) -> bool {
             self.inner.all_cached(offset, length)
         }
+        fn wants_pooled_payloads(&self) -> bool {
+            self.inner.wants_pooled_payloads()
+        }
         fn write(
             &self,
             offset: u64,
@@ -1857,6 +1863,10 @@ mod tests {
         ) -> crate::backend::BackendFuture<'_, ()> {
             self.writes
                 .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            if matches!(data, WriteData::Pooled(_)) {
+                self.pooled_writes
+                    .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
             if let Some(failure) = self.injected_failure(offset, data.len()) {
                 return backend_future(std::future::ready(Err(failure)));
             }
@@ -2039,6 +2049,62 @@ mod tests {
         );
         let stored = backend.inner.read(4096, len).await.unwrap();
         assert!(stored.bytes()[..] == data[..], "the pieces landed in place");
+    }
+
+    /// A direct-I/O export wants every payload in a pooled buffer: short writes sent
+    /// together, aligned or not, each reach it in one (gathered from the read buffer as
+    /// they arrive, not shared out of it), are answered, and land.
+    #[tokio::test]
+    async fn short_payloads_to_a_direct_export_arrive_in_pooled_buffers() {
+        let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+        let path = dir.path().join("disk");
+        std::fs::write(&path, vec![0u8; 1 << 20]).unwrap();
+        let file = crate::backend::file::FileBackend::open(
+            &path,
+            None,
+            false,
+            Some(crate::backend::CacheMode::None),
+        )
+        .unwrap();
+        assert!(file.wants_pooled_payloads());
+        let backend = Arc::new(CountingReads::over(file, None));
+        let mut client = connect_to(Arc::clone(&backend) as Arc<dyn Backend>).await;
+        // 16 block-aligned 4 KiB writes, then one of 100 bytes inside a block (read,
+        // modified and written back), in one send.
+        let mut batch = Vec::new();
+        let mut expected = vec![0u8; 1 << 20];
+        for i in 0..17u64 {
+            let (offset, len) = if i < 16 {
+                (i * 8192, 4096)
+            } else {
+                (200_000, 100)
+            };
+            let data: Vec<u8> = (0..len).map(|j| (i as usize * 31 + j * 7) as u8).collect();
+            batch.extend(request(cmd::WRITE, 0, 100 + i, offset, len as u64));
+            batch.extend(&data);
+            expected[offset as usize..offset as usize + len].copy_from_slice(&data);
+        }
+        client.write_all(&batch).await.unwrap();
+        let mut answered = std::collections::HashSet::new();
+        while answered.len() < 17 {
+            let (flags, kind, cookie, _) = read_chunk(&mut client).await;
+            assert_eq!(kind, reply::TYPE_NONE, "write {cookie} failed");
+            assert!(flags & reply::FLAG_DONE != 0);
+            assert!(answered.insert(cookie), "write {cookie} answered twice");
+        }
+        let writes = backend.writes.load(std::sync::atomic::Ordering::SeqCst);
+        let pooled = backend
+            .pooled_writes
+            .load(std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(
+            (writes, pooled),
+            (17, 17),
+            "every payload in a pooled buffer"
+        );
+        assert!(
+            std::fs::read(&path).unwrap() == expected,
+            "the writes landed"
+        );
     }
 
     /// Writes whose payloads arrive whole are copied from the read buffer straight into

@@ -467,12 +467,6 @@ impl From<PieceList> for Pieces {
     }
 }
 
-impl From<Vec<Piece>> for Pieces {
-    fn from(pieces: Vec<Piece>) -> Pieces {
-        Pieces::from(PieceList(pieces))
-    }
-}
-
 /// Equal when they hold the same bytes, however they are split.
 impl PartialEq for Pieces {
     fn eq(&self, other: &Pieces) -> bool {
@@ -842,11 +836,11 @@ mod tests {
                 len,
             })
         };
-        let split = Pieces::from(vec![
-            Piece::Shared(Bytes::copy_from_slice(&all[..100])),
-            part(100, 1),
-            part(101, 155),
-        ]);
+        let mut list = PieceList::with_capacity(3);
+        list.push(Piece::Shared(Bytes::copy_from_slice(&all[..100])));
+        list.push(part(100, 1));
+        list.push(part(101, 155));
+        let split = Pieces::from(list);
         assert!(matches!(&split, Pieces::Many(list) if list.len() == 3));
         assert_eq!(split.len(), 256);
         assert_eq!(split, Pieces::from(Bytes::from(all.clone())));

@@ -815,6 +815,10 @@ impl Backend for FileBackend {
     fn wants_pooled_payloads(&self) -> bool {
         self.cache == CacheMode::None
     }
+
+    fn flush_ahead_pays(&self) -> bool {
+        true
+    }
 }
 
 impl std::fmt::Debug for FileBackend {

@@ -679,6 +679,12 @@ pub trait Backend: Send + Sync + 'static {
     fn wants_pooled_payloads(&self) -> bool {
         false
     }
+    /// Whether a FLUSH right after a lone write, before the client's own FLUSH comes, pays
+    /// (see `server::flush_ahead`): the client's FLUSH then costs nothing, because this
+    /// backend's FLUSH skips the sync when no write completed since the last one.
+    fn flush_ahead_pays(&self) -> bool {
+        false
+    }
     /// The backend's page store, when it keeps data in page-sized buffers it can take over
     /// whole: a connection then receives a page-aligned write's payload from the socket
     /// straight into such buffers and hands them over ([`PageStore`]), instead of reading

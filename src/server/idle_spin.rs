@@ -135,12 +135,7 @@ impl IdleSpin {
     ) -> SpinOutcome {
         let started = Instant::now();
         self.idle_since = Some(started);
-        let busy = std::mem::take(&mut self.requests_since_idle);
-        let run = |count: &mut u32, counts: bool| {
-            *count = if counts { count.saturating_add(1) } else { 0 };
-        };
-        run(&mut self.singles, busy <= 1);
-        run(&mut self.short_periods, busy <= SPIN_BUSY_MAX);
+        self.busy_period_ended();
         let qualifies = self.few_in_flight(connections) && !self.window.is_zero();
         let Some(fd) = fd.filter(|_| qualifies) else {
             return SpinOutcome::Sleep;
@@ -169,6 +164,18 @@ impl IdleSpin {
         }
     }
 
+    /// Ends the connection's busy period: counts whether it was a single request, and a
+    /// short one. Idling does; so does a flush ahead of the client's
+    /// (`super::flush_ahead`), after which the connection waits for the client's FLUSH.
+    pub(super) fn busy_period_ended(&mut self) {
+        let busy = std::mem::take(&mut self.requests_since_idle);
+        let run = |count: &mut u32, counts: bool| {
+            *count = if counts { count.saturating_add(1) } else { 0 };
+        };
+        run(&mut self.singles, busy <= 1);
+        run(&mut self.short_periods, busy <= SPIN_BUSY_MAX);
+    }
+
     /// Whether the connection is in the pattern an idle spin pays for: a run of short busy
     /// periods, and few enough connections on the server.
     pub(super) fn few_in_flight(&self, connections: usize) -> bool {
@@ -178,7 +185,13 @@ impl IdleSpin {
     /// Whether the connection has sent one request per busy period for a while, and the
     /// server has few enough connections: a client that waits for each reply.
     pub(super) fn one_at_a_time(&self, connections: usize) -> bool {
-        self.singles >= SPIN_AFTER_PERIODS && connections <= self.max_spinners
+        self.singles >= SPIN_AFTER_PERIODS && self.few_connections(connections)
+    }
+
+    /// Whether the server has few enough connections for one of them to keep a worker
+    /// busy with a spin, or with a system call of its own (`uring::alone`).
+    pub(super) fn few_connections(&self, connections: usize) -> bool {
+        connections <= self.max_spinners
     }
 
     /// The connection waits on a single request in the backend: in the pattern of one

@@ -5,6 +5,7 @@
 //! requests it has in flight, flushes every export and returns.
 
 mod coalesce;
+mod flush_ahead;
 pub mod handshake;
 mod idle_spin;
 mod in_flight;

@@ -49,6 +49,7 @@ use tokio::sync::watch;
 use tracing::{debug, warn};
 
 use super::coalesce::{Coalesce, Gathered};
+use super::flush_ahead::{FlushAhead, FlushVerdict};
 use super::handshake::Negotiated;
 use super::idle_spin::{CountedConnection, IdleSpin, SpinOutcome, CONNECTIONS};
 use super::in_flight::InFlight;
@@ -227,6 +228,8 @@ enum Finished {
     /// A piece of a streamed read: the pipeline makes its chunks, knowing from
     /// [`StreamedReads`] whether it is the last piece.
     ReadPiece(ReadPieceDone),
+    /// A flush ahead of the client's (see [`FlushAhead`]): no reply.
+    FlushedAhead(Result<(), BackendError>),
 }
 
 impl From<Replies> for Finished {
@@ -298,6 +301,7 @@ pub async fn run<S: Stream>(
         part_lists: PartLists::default(),
         streamed_reads: StreamedReads::default(),
         later_pieces: LaterPieces::default(),
+        flush_ahead: FlushAhead::new(negotiated.export.backend.flush_ahead_pays()),
         spin: IdleSpin::new(),
         coalesce: Coalesce::default(),
         splice: stream.can_splice(),
@@ -467,6 +471,9 @@ struct Pipeline {
     on_device: bool,
     /// The last request parsed carried a payload of [`LARGE_PAYLOAD`] bytes or more.
     after_large_payload: bool,
+    /// Syncs a lone write as soon as it is answered when the client follows each write
+    /// with a FLUSH.
+    flush_ahead: FlushAhead,
 }
 
 impl Pipeline {
@@ -651,6 +658,9 @@ impl Pipeline {
                 return Ok(());
             }
             let verdict = validate(&header, &self.limits);
+            if let Ok(command) = &verdict {
+                self.flush_ahead.request(command);
+            }
             let payload_len = header.payload_len(self.limits.style);
             if payload_len > 0 {
                 match verdict {
@@ -947,6 +957,14 @@ impl Pipeline {
                 });
             }
             Command::Flush => {
+                match self.flush_ahead.flush(enc) {
+                    FlushVerdict::Flush => {}
+                    FlushVerdict::Fail(failed) => {
+                        self.outq.push_back(status_message(enc, Err(failed), 0));
+                        return;
+                    }
+                    FlushVerdict::Wait => return,
+                }
                 self.in_flight.push(async move {
                     Finished::from(status_reply(enc, backend.flush().await, 0))
                 });
@@ -1153,10 +1171,22 @@ impl Pipeline {
         // A connection in the pattern of one request at a time (see `IdleSpin`) has its
         // request run by this thread, without the ring's hand-offs (`uring::alone`); only
         // for a backend that is a device itself: a replicated write must not wait for its
-        // local half before its remote half is sent.
+        // local half before its remote half is sent. A client that follows each write with
+        // a FLUSH is in that pattern too, though its FLUSH, now answered at once, may come
+        // before the connection idles (see `FlushAhead`).
+        let connections = CONNECTIONS.load(Ordering::Relaxed);
         let alone = self.on_device
             && self.in_flight.len() == 1
-            && self.spin.one_at_a_time(CONNECTIONS.load(Ordering::Relaxed));
+            && (self.spin.one_at_a_time(connections)
+                || (self.flush_ahead.in_pattern() && self.spin.few_connections(connections)));
+        if std::env::var_os("DBG_AHEAD").is_some() && !self.in_flight.is_empty() {
+            eprintln!(
+                "alone={alone} on_device={} len={} one={}",
+                self.on_device,
+                self.in_flight.len(),
+                self.spin.one_at_a_time(CONNECTIONS.load(Ordering::Relaxed))
+            );
+        }
         while collected < WRITE_AFTER_DATA {
             let polled = if alone {
                 crate::backend::uring::alone(|| self.in_flight.poll_next(cx))
@@ -1181,6 +1211,23 @@ impl Pipeline {
                 Finished::ReadPiece(piece) => {
                     collected += piece.length as usize;
                     read_piece_replies(piece, &mut self.streamed_reads, &mut self.outq);
+                }
+                Finished::FlushedAhead(result) => {
+                    // The write before it and the client's FLUSH after it are busy
+                    // periods of their own (one request each), as they were before.
+                    self.spin.busy_period_ended();
+                    let (backend, outq, in_flight) =
+                        (&self.backend, &mut self.outq, &mut self.in_flight);
+                    self.flush_ahead
+                        .finished(result, |enc, failed| match failed {
+                            Some(failed) => outq.push_back(status_message(enc, Err(failed), 0)),
+                            None => {
+                                let backend = Arc::clone(backend);
+                                in_flight.push(async move {
+                                    Finished::from(status_reply(enc, backend.flush().await, 0))
+                                });
+                            }
+                        });
                 }
             }
             completed = true;
@@ -1262,7 +1309,19 @@ impl Pipeline {
                 match self.poll_write(cx, stream.as_mut()) {
                     Poll::Ready(Ok(wrote)) => {
                         progressed |= wrote;
-                        if wrote && self.all_answered() {
+                        if wrote
+                            && self.all_answered()
+                            && self.flush_ahead.start_if_due(self.inbuf.is_empty())
+                        {
+                            // The write's reply is out: sync it while the client takes
+                            // the reply and sends its FLUSH.
+                            if std::env::var_os("DBG_AHEAD").is_some() {
+                                eprintln!("flush ahead pushed");
+                            }
+                            let backend = Arc::clone(&self.backend);
+                            self.in_flight
+                                .push(async move { Finished::FlushedAhead(backend.flush().await) });
+                        } else if wrote && self.all_answered() {
                             let gather = self.coalesce.replied(CONNECTIONS.load(Ordering::Relaxed));
                             if let Some(fd) = stream.socket_fd().filter(|_| gather) {
                                 match self.coalesce.gather(fd, &mut self.inbuf) {
@@ -1760,6 +1819,9 @@ mod tests {
         writes: std::sync::atomic::AtomicUsize,
         /// Of `writes`, those whose payload came in a pooled buffer.
         pooled_writes: std::sync::atomic::AtomicUsize,
+        flushes: std::sync::atomic::AtomicUsize,
+        /// The flush (counting from 1) that fails.
+        fail_flush: Option<usize>,
         inline_writes: std::sync::atomic::AtomicUsize,
         fail_write_at: Option<u64>,
         fail_read_at: Option<u64>,
@@ -1783,6 +1845,8 @@ mod tests {
                 spliced: Default::default(),
                 writes: Default::default(),
                 pooled_writes: Default::default(),
+                flushes: Default::default(),
+                fail_flush: None,
                 inline_writes: Default::default(),
                 fail_write_at,
                 fail_read_at: None,
@@ -1889,7 +1953,18 @@ mod tests {
             result
         }
         fn flush(&self) -> crate::backend::BackendFuture<'_, ()> {
+            let number = self
+                .flushes
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+                + 1;
+            if self.fail_flush == Some(number) {
+                let error = BackendError::plain("flush", 0, 0, NbdError::Io);
+                return backend_future(std::future::ready(Err(error)));
+            }
             self.inner.flush()
+        }
+        fn flush_ahead_pays(&self) -> bool {
+            self.inner.flush_ahead_pays()
         }
         fn trim(
             &self,
@@ -2105,6 +2180,105 @@ mod tests {
             std::fs::read(&path).unwrap() == expected,
             "the writes landed"
         );
+    }
+
+    /// A `--cache=none` file export, counted, whose flush number `fail_flush` fails.
+    fn counted_direct_export(
+        dir: &tempfile::TempDir,
+        fail_flush: Option<usize>,
+    ) -> CountingReads<crate::backend::file::FileBackend> {
+        let path = dir.path().join("disk");
+        std::fs::write(&path, vec![0u8; 1 << 20]).unwrap();
+        let file = crate::backend::file::FileBackend::open(
+            &path,
+            None,
+            false,
+            Some(crate::backend::CacheMode::None),
+        )
+        .unwrap();
+        let mut backend = CountingReads::over(file, None);
+        backend.fail_flush = fail_flush;
+        backend
+    }
+
+    /// Sends `pairs` writes, each followed by a FLUSH once its reply came, as a database
+    /// commits; returns the FLUSH replies (0 or the error).
+    async fn write_flush_pairs(client: &mut DuplexStream, pairs: u64) -> Vec<u32> {
+        let mut flushed = Vec::new();
+        for i in 0..pairs {
+            let data = vec![i as u8 + 1; 4096];
+            client
+                .write_all(&request(cmd::WRITE, 0, 2 * i, i * 4096, 4096))
+                .await
+                .unwrap();
+            client.write_all(&data).await.unwrap();
+            let (_, kind, cookie, _) = read_chunk(client).await;
+            assert_eq!((kind, cookie), (reply::TYPE_NONE, 2 * i), "write {i}");
+            client
+                .write_all(&request(cmd::FLUSH, 0, 2 * i + 1, 0, 0))
+                .await
+                .unwrap();
+            let (_, kind, cookie, payload) = read_chunk(client).await;
+            assert_eq!(cookie, 2 * i + 1);
+            flushed.push(match kind {
+                reply::TYPE_NONE => 0,
+                reply::TYPE_ERROR => u32::from_be_bytes(payload[..4].try_into().unwrap()),
+                other => panic!("unexpected chunk type {other}"),
+            });
+        }
+        flushed
+    }
+
+    /// A client that follows each write with a FLUSH has, once the pattern is clear (8
+    /// pairs), each write flushed ahead of its FLUSH, which is still answered after a
+    /// flush of its own (a no-op when the flush ahead covered everything).
+    #[tokio::test]
+    async fn writes_each_followed_by_a_flush_are_flushed_ahead() {
+        let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+        let backend = Arc::new(counted_direct_export(&dir, None));
+        let mut client = connect_to(Arc::clone(&backend) as Arc<dyn Backend>).await;
+        assert_eq!(write_flush_pairs(&mut client, 20).await, [0; 20]);
+        let flushes = backend.flushes.load(std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(
+            flushes,
+            20 + 12,
+            "the FLUSHes, and the 9th to 20th writes ahead"
+        );
+        let stored = backend.inner.read(0, 20 * 4096).await.unwrap();
+        for i in 0..20 {
+            assert!(stored.bytes()[i * 4096..(i + 1) * 4096]
+                .iter()
+                .all(|&b| b == i as u8 + 1));
+        }
+        // Writes not followed by FLUSHes are not flushed.
+        let batch: Vec<u8> = (0..4u64)
+            .flat_map(|i| {
+                let mut r = request(cmd::WRITE, 0, 100 + i, i * 4096, 4096);
+                r.extend(vec![7u8; 4096]);
+                r
+            })
+            .collect();
+        client.write_all(&batch).await.unwrap();
+        for _ in 0..4 {
+            assert_eq!(read_chunk(&mut client).await.1, reply::TYPE_NONE);
+        }
+        let after = backend.flushes.load(std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(after, 32, "a flush without a FLUSH to follow");
+    }
+
+    /// A flush ahead that fails fails the client's FLUSH after it, though a sync then
+    /// would succeed (the failed one may have consumed the file's error), and only that
+    /// FLUSH.
+    #[tokio::test]
+    async fn a_failed_flush_ahead_fails_the_flush_it_was_ahead_of() {
+        let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+        // Flushes 1 to 8 are the client's, 9 and 10 the 9th write's ahead and its FLUSH's,
+        // and 11 the 10th write's ahead.
+        let backend = Arc::new(counted_direct_export(&dir, Some(11)));
+        let mut client = connect_to(Arc::clone(&backend) as Arc<dyn Backend>).await;
+        let flushed = write_flush_pairs(&mut client, 12).await;
+        let eio = NbdError::Io as u32;
+        assert_eq!(flushed, [0, 0, 0, 0, 0, 0, 0, 0, 0, eio, 0, 0]);
     }
 
     /// Writes whose payloads arrive whole are copied from the read buffer straight into

@@ -1179,14 +1179,6 @@ impl Pipeline {
             && self.in_flight.len() == 1
             && (self.spin.one_at_a_time(connections)
                 || (self.flush_ahead.in_pattern() && self.spin.few_connections(connections)));
-        if std::env::var_os("DBG_AHEAD").is_some() && !self.in_flight.is_empty() {
-            eprintln!(
-                "alone={alone} on_device={} len={} one={}",
-                self.on_device,
-                self.in_flight.len(),
-                self.spin.one_at_a_time(CONNECTIONS.load(Ordering::Relaxed))
-            );
-        }
         while collected < WRITE_AFTER_DATA {
             let polled = if alone {
                 crate::backend::uring::alone(|| self.in_flight.poll_next(cx))
@@ -1315,9 +1307,6 @@ impl Pipeline {
                         {
                             // The write's reply is out: sync it while the client takes
                             // the reply and sends its FLUSH.
-                            if std::env::var_os("DBG_AHEAD").is_some() {
-                                eprintln!("flush ahead pushed");
-                            }
                             let backend = Arc::clone(&self.backend);
                             self.in_flight
                                 .push(async move { Finished::FlushedAhead(backend.flush().await) });

@@ -289,6 +289,12 @@ impl Backend for PowerCut {
             self.inner.extents(offset, length).await
         })
     }
+
+    /// A flush empties the cache, so a flush with nothing written since costs what one
+    /// costs the layer below. Forwarded so that the crash tests see flushes ahead.
+    fn flush_ahead_pays(&self) -> bool {
+        self.inner.flush_ahead_pays()
+    }
 }
 
 #[cfg(test)]
@@ -313,6 +319,19 @@ mod tests {
 
     async fn media_byte(media: &MemoryBackend, at: u64) -> u8 {
         media.read(at, 1).await.unwrap().bytes()[0]
+    }
+
+    /// Over a file the layer flushes ahead as the file does, so that the crash tests'
+    /// committing connection sees flushes ahead (`server::flush_ahead`); over memory not.
+    #[test]
+    fn flushes_ahead_when_the_layer_below_does() {
+        let (_, over_memory) = layer();
+        assert!(!over_memory.flush_ahead_pays());
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("disk");
+        std::fs::write(&path, vec![0u8; 1 << 20]).unwrap();
+        let file = crate::backend::file::FileBackend::open(&path, None, false, None).unwrap();
+        assert!(PowerCut::new(Arc::new(file)).flush_ahead_pays());
     }
 
     #[test]

@@ -135,8 +135,13 @@ impl History {
 
 /// One connection's workload: writes to its own blocks (some FUA) and FLUSHes, with up to
 /// [`WINDOW`] requests in flight and never two to one block, until the server goes away or
-/// `stop` is set.
+/// `stop` is set. Connection 0 commits as a database does instead: one write, its reply,
+/// a FLUSH, its reply, and again, which a file export soon flushes ahead
+/// (`server::flush_ahead`): each write synced as its reply leaves.
 pub fn workload(addr: &str, connection: u64, seed: u64, history: &History, stop: &AtomicBool) {
+    let committer = connection == 0;
+    let window = if committer { 1 } else { WINDOW };
+    let mut flush_next = false;
     let raw = Raw::session(addr, Mode::Simple);
     let mut sock: TcpStream = raw.sock;
     sock.set_read_timeout(Some(Duration::from_secs(20)))
@@ -150,10 +155,16 @@ pub fn workload(addr: &str, connection: u64, seed: u64, history: &History, stop:
     let mut in_flight: HashMap<u64, (u64, u64, bool, u64)> = HashMap::new();
     let mut cookie = 0u64;
     loop {
-        while in_flight.len() < WINDOW && !stop.load(Ordering::SeqCst) {
+        while in_flight.len() < window && !stop.load(Ordering::SeqCst) {
             cookie += 1;
             let flush_in_flight = in_flight.values().any(|v| v.0 == u64::MAX);
-            let request = if dice.below(8) == 0 && !flush_in_flight {
+            let flush = if committer {
+                flush_next = !flush_next;
+                !flush_next
+            } else {
+                dice.below(8) == 0 && !flush_in_flight
+            };
+            let request = if flush {
                 let sent = history.tick();
                 in_flight.insert(cookie, (u64::MAX, 0, false, sent));
                 netblk::wire::transmission::RequestHeader {
@@ -172,7 +183,7 @@ pub fn workload(addr: &str, connection: u64, seed: u64, history: &History, stop:
                 }
                 let version = next_version.entry(block).or_insert(0);
                 *version += 1;
-                let fua = dice.below(5) == 0;
+                let fua = !committer && dice.below(5) == 0;
                 history
                     .writes
                     .lock()

@@ -965,9 +965,7 @@ impl Pipeline {
                     }
                     FlushVerdict::Wait => return,
                 }
-                self.in_flight.push(async move {
-                    Finished::from(status_reply(enc, backend.flush().await, 0))
-                });
+                self.in_flight.push(flush_reply(backend, enc));
             }
             Command::Trim {
                 offset,
@@ -1213,12 +1211,7 @@ impl Pipeline {
                     self.flush_ahead
                         .finished(result, |enc, failed| match failed {
                             Some(failed) => outq.push_back(status_message(enc, Err(failed), 0)),
-                            None => {
-                                let backend = Arc::clone(backend);
-                                in_flight.push(async move {
-                                    Finished::from(status_reply(enc, backend.flush().await, 0))
-                                });
-                            }
+                            None => in_flight.push(flush_reply(Arc::clone(backend), enc)),
                         });
                 }
             }
@@ -1301,16 +1294,14 @@ impl Pipeline {
                 match self.poll_write(cx, stream.as_mut()) {
                     Poll::Ready(Ok(wrote)) => {
                         progressed |= wrote;
-                        if wrote
-                            && self.all_answered()
-                            && self.flush_ahead.start_if_due(self.inbuf.is_empty())
-                        {
+                        let all_answered = wrote && self.all_answered();
+                        if all_answered && self.flush_ahead.start_if_due(self.inbuf.is_empty()) {
                             // The write's reply is out: sync it while the client takes
                             // the reply and sends its FLUSH.
                             let backend = Arc::clone(&self.backend);
                             self.in_flight
                                 .push(async move { Finished::FlushedAhead(backend.flush().await) });
-                        } else if wrote && self.all_answered() {
+                        } else if all_answered {
                             let gather = self.coalesce.replied(CONNECTIONS.load(Ordering::Relaxed));
                             if let Some(fd) = stream.socket_fd().filter(|_| gather) {
                                 match self.coalesce.gather(fd, &mut self.inbuf) {
@@ -1383,6 +1374,13 @@ fn poll_read_into<S: Stream + ?Sized>(
     let mut window = ReadBuf::new(room);
     std::task::ready!(stream.poll_read(cx, &mut window))?;
     Poll::Ready(Ok(window.filled().len()))
+}
+
+/// The client's FLUSH `enc`, answered once `backend` has flushed. One function for both
+/// places that start it (as parsed, or after a flush ahead it waited for), so that their
+/// futures share a type and reuse each other's slot boxes.
+async fn flush_reply(backend: Arc<dyn Backend>, enc: ReplyEncoder) -> Finished {
+    Finished::from(status_reply(enc, backend.flush().await, 0))
 }
 
 /// [`status_message`] as the replies of a request future.
@@ -2121,17 +2119,9 @@ mod tests {
     #[tokio::test]
     async fn short_payloads_to_a_direct_export_arrive_in_pooled_buffers() {
         let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+        let backend = Arc::new(counted_direct_export(&dir, None));
+        assert!(backend.wants_pooled_payloads());
         let path = dir.path().join("disk");
-        std::fs::write(&path, vec![0u8; 1 << 20]).unwrap();
-        let file = crate::backend::file::FileBackend::open(
-            &path,
-            None,
-            false,
-            Some(crate::backend::CacheMode::None),
-        )
-        .unwrap();
-        assert!(file.wants_pooled_payloads());
-        let backend = Arc::new(CountingReads::over(file, None));
         let mut client = connect_to(Arc::clone(&backend) as Arc<dyn Backend>).await;
         // 16 block-aligned 4 KiB writes, then one of 100 bytes inside a block (read,
         // modified and written back), in one send.
@@ -2171,7 +2161,8 @@ mod tests {
         );
     }
 
-    /// A `--cache=none` file export, counted, whose flush number `fail_flush` fails.
+    /// A `--cache=none` file export of 1 MiB (`disk` in `dir`), counted, whose flush
+    /// number `fail_flush` fails.
     fn counted_direct_export(
         dir: &tempfile::TempDir,
         fail_flush: Option<usize>,

@@ -1,6 +1,8 @@
 #!/usr/bin/python3
 """Side-by-side benchmark: netblk against nbdkit, qemu-nbd and the local disk, same machine,
-same fio jobs, servers interleaved (A B C A B C ...) so drift hits every server alike.
+same fio jobs, servers interleaved (A B C A B C ...) so drift hits every server alike, and rounds
+interleaved across workloads (every workload's round 1, then every workload's round 2, ...) so it
+hits every workload alike.
 
     /usr/bin/python3 bench/bench.py                 # every workload, 3 rounds, 5 s runs
     /usr/bin/python3 bench/bench.py --quick         # 1 round, 2 s runs (smoke test)
@@ -708,33 +710,50 @@ def main():
     fs_elapsed = 0.0
     ceiling = loopback_ceiling() if selected else (None, "")
     try:
-        for name, (job, servers) in [*selected.items(), *fs_selected.items()]:
-            servers = [s for s in servers if not args.servers or s in args.servers]
-            for r in range(rounds):
-                for server in servers:
-                    key = (name, server)
+        for r, name, job, server in run_order(selected, fs_selected, rounds, args.servers):
+            key = (name, server)
+            try:
+                if name in fs_selected:
+                    fs_started = time.time()
                     try:
-                        if name in fs_selected:
-                            fs_started = time.time()
-                            try:
-                                run = fs_run(server, scratch, job)
-                            finally:
-                                fs_elapsed += time.time() - fs_started
-                            summary = (f"write {fmt(run['put_block'] and run['put_block'] / 1024)} MiB/s, "
-                                       f"read {fmt(run['get_block'] and run['get_block'] / 1024)} MiB/s, "
-                                       f"{fmt(run['seeks'])} seeks/s, {fmt(run['seq_create'])} creates/s "
-                                       f"({run['seconds']:.0f} s)")
-                        else:
-                            run = one_run(name, job, server, backing, runtime, scratch)
-                            summary = f"{fmt(run['iops'])} IOPS"
-                        results.setdefault(key, []).append(run)
-                        print(f"[{time.time() - started:6.0f}s] {name} round {r + 1} {server}: {summary}", flush=True)
-                    except Exception as e:  # a failed run is reported, not fatal
-                        errors[key] = str(e)
-                        print(f"[{time.time() - started:6.0f}s] {name} round {r + 1} {server}: {e}", flush=True)
+                        run = fs_run(server, scratch, job)
+                    finally:
+                        fs_elapsed += time.time() - fs_started
+                    summary = (f"write {fmt(run['put_block'] and run['put_block'] / 1024)} MiB/s, "
+                               f"read {fmt(run['get_block'] and run['get_block'] / 1024)} MiB/s, "
+                               f"{fmt(run['seeks'])} seeks/s, {fmt(run['seq_create'])} creates/s "
+                               f"({run['seconds']:.0f} s)")
+                else:
+                    run = one_run(name, job, server, backing, runtime, scratch)
+                    summary = f"{fmt(run['iops'])} IOPS"
+                results.setdefault(key, []).append(run)
+                print(f"[{time.time() - started:6.0f}s] {name} round {r + 1} {server}: {summary}", flush=True)
+            except Exception as e:  # a failed run is reported, not fatal
+                errors[key] = str(e)
+                print(f"[{time.time() - started:6.0f}s] {name} round {r + 1} {server}: {e}", flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     write_report(args, selected, fs_selected, results, errors, rounds, runtime, ceiling, time.time() - started, fs_elapsed)
+
+
+def run_order(selected, fs_selected, rounds, only_servers):
+    """(round, workload, job, server) in the order the runs are made.
+
+    The fio workloads go round by round: round 1 of every workload, then round 2 of every
+    workload, and so on, servers interleaved within each. A ratio between two workloads
+    (QD256 against QD32) then compares samples spread over the same span of the run, as a ratio
+    between two servers always did. Workload by workload, a slow phase of the machine that
+    fell on one workload's rounds decided such a ratio: the run at 8a0de5c put QD256 at 0.75×
+    QD32 for netblk and nbdkit alike, where `ab.py` right after found them level.
+    The file-system rows stay workload by workload after them: each round is minutes long."""
+    def servers_of(servers):
+        return [s for s in servers if not only_servers or s in only_servers]
+
+    order = [(r, name, job, server) for r in range(rounds)
+             for name, (job, servers) in selected.items() for server in servers_of(servers)]
+    order += [(r, name, job, server) for name, (job, servers) in fs_selected.items()
+              for r in range(rounds) for server in servers_of(servers)]
+    return order
 
 
 def med(results, key, field):
@@ -770,7 +789,7 @@ def write_report(args, selected, fs_selected, results, errors, rounds, runtime, 
     os.makedirs(plots, exist_ok=True)
     lines = ["# Benchmark results", "",
              f"Generated by `bench/bench.py` ({rounds} rounds of {runtime} s per server and workload, servers "
-             f"interleaved, {elapsed / 60:.0f} min). Medians with min–max. CPU is the server's own "
+             f"interleaved, and the fio workloads' rounds interleaved: round 1 of each, then round 2, ...; {elapsed / 60:.0f} min). Medians with min–max. CPU is the server's own "
              "utime+stime per million requests, over the same window as fio's request count (ramp-up excluded); steal is the share of the machine's CPU time the hypervisor "
              "gave to other guests during the run (a run with much steal measured a slower machine). Memory exports are filled with data before each run. "
              "Delayed ACKs and retransmissions are the machine's `nstat` counters over the run, the memory export's filling excluded, summed over the rounds. Backing for file rows: a 512 MiB file of random data on "

@@ -179,5 +179,20 @@ class Report(unittest.TestCase):
         self.assertLess(text.index("third"), text.index("second"))
 
 
+class RunOrder(unittest.TestCase):
+    def test_rounds_interleave_across_fio_workloads_and_file_system_rows_come_last(self):
+        selected = {"qd32": ([], ["a", "b"]), "qd256": ([], ["a", "b"])}
+        fs_selected = {"fs": ([], ["a", "b"])}
+        order = [(r, name, server) for r, name, _, server in bench.run_order(selected, fs_selected, 2, None)]
+        self.assertEqual(order, [
+            (0, "qd32", "a"), (0, "qd32", "b"), (0, "qd256", "a"), (0, "qd256", "b"),
+            (1, "qd32", "a"), (1, "qd32", "b"), (1, "qd256", "a"), (1, "qd256", "b"),
+            (0, "fs", "a"), (0, "fs", "b"), (1, "fs", "a"), (1, "fs", "b")])
+
+    def test_only_the_chosen_servers_run(self):
+        order = bench.run_order({"qd32": ([], ["a", "b"])}, {}, 1, ["b"])
+        self.assertEqual([(name, server) for _, name, _, server in order], [("qd32", "b")])
+
+
 if __name__ == "__main__":
     unittest.main()

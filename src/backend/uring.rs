@@ -974,6 +974,18 @@ impl Drop for RingState {
     }
 }
 
+/// Where tests make files to open with `O_DIRECT`: /var/tmp, which is on a disk where
+/// /tmp may be tmpfs (no `O_DIRECT`), or the temporary directory when there is no /var/tmp.
+#[cfg(test)]
+pub(crate) fn scratch_dir_for_direct_io() -> std::path::PathBuf {
+    let var_tmp = std::path::Path::new("/var/tmp");
+    if var_tmp.is_dir() {
+        var_tmp.to_path_buf()
+    } else {
+        std::env::temp_dir()
+    }
+}
+
 /// A scratch file of `len` bytes that start with `contents`, synced to the disk, opened for
 /// reading and writing with `O_DIRECT` where the file system has it (not tmpfs): on
 /// /var/tmp when there is one. Direct reads of it complete from the device, later than
@@ -985,11 +997,7 @@ pub(crate) fn direct_scratch_file(
 ) -> (tempfile::NamedTempFile, Arc<File>) {
     use std::io::Write as _;
     use std::os::unix::fs::OpenOptionsExt;
-    let dir = ["/var/tmp", "/tmp"]
-        .into_iter()
-        .find(|d| std::path::Path::new(d).is_dir())
-        .unwrap();
-    let mut tmp = tempfile::NamedTempFile::new_in(dir).unwrap();
+    let mut tmp = tempfile::NamedTempFile::new_in(scratch_dir_for_direct_io()).unwrap();
     tmp.write_all(contents).unwrap();
     tmp.as_file().set_len(len).unwrap();
     tmp.as_file().sync_all().unwrap();

@@ -2118,10 +2118,8 @@ mod tests {
     /// they arrive, not shared out of it), are answered, and land.
     #[tokio::test]
     async fn short_payloads_to_a_direct_export_arrive_in_pooled_buffers() {
-        let dir = tempfile::tempdir_in("/var/tmp").unwrap();
-        let backend = Arc::new(counted_direct_export(&dir, None));
+        let (tmp, backend) = counted_direct_export(None);
         assert!(backend.wants_pooled_payloads());
-        let path = dir.path().join("disk");
         let mut client = connect_to(Arc::clone(&backend) as Arc<dyn Backend>).await;
         // 16 block-aligned 4 KiB writes, then one of 100 bytes inside a block (read,
         // modified and written back), in one send.
@@ -2156,29 +2154,46 @@ mod tests {
             "every payload in a pooled buffer"
         );
         assert!(
-            std::fs::read(&path).unwrap() == expected,
+            std::fs::read(tmp.path()).unwrap() == expected,
             "the writes landed"
         );
     }
 
-    /// A `--cache=none` file export of 1 MiB (`disk` in `dir`), counted, whose flush
-    /// number `fail_flush` fails.
-    fn counted_direct_export(
-        dir: &tempfile::TempDir,
+    /// A file export of `contents`, `cache` as `--cache` gives it, with its reads, writes
+    /// and flushes counted and its flush number `fail_flush` failing; the file (where
+    /// `O_DIRECT` works) comes back with it.
+    fn counted_export(
+        contents: &[u8],
+        cache: Option<crate::backend::CacheMode>,
         fail_flush: Option<usize>,
-    ) -> CountingReads<crate::backend::file::FileBackend> {
-        let path = dir.path().join("disk");
-        std::fs::write(&path, vec![0u8; 1 << 20]).unwrap();
-        let file = crate::backend::file::FileBackend::open(
-            &path,
-            None,
-            false,
-            Some(crate::backend::CacheMode::None),
-        )
-        .unwrap();
+    ) -> (
+        tempfile::NamedTempFile,
+        Arc<CountingReads<crate::backend::file::FileBackend>>,
+    ) {
+        use std::io::Write as _;
+        let mut tmp =
+            tempfile::NamedTempFile::new_in(crate::backend::uring::scratch_dir_for_direct_io())
+                .unwrap();
+        tmp.write_all(contents).unwrap();
+        let file = crate::backend::file::FileBackend::open(tmp.path(), None, false, cache).unwrap();
         let mut backend = CountingReads::over(file, None);
         backend.fail_flush = fail_flush;
-        backend
+        (tmp, Arc::new(backend))
+    }
+
+    /// A `--cache=none` export of 1 MiB of zeroes, counted, whose flush number
+    /// `fail_flush` fails.
+    fn counted_direct_export(
+        fail_flush: Option<usize>,
+    ) -> (
+        tempfile::NamedTempFile,
+        Arc<CountingReads<crate::backend::file::FileBackend>>,
+    ) {
+        counted_export(
+            &vec![0u8; 1 << 20],
+            Some(crate::backend::CacheMode::None),
+            fail_flush,
+        )
     }
 
     /// Sends `pairs` writes, each followed by a FLUSH once its reply came, as a database
@@ -2214,8 +2229,7 @@ mod tests {
     /// flush of its own (a no-op when the flush ahead covered everything).
     #[tokio::test]
     async fn writes_each_followed_by_a_flush_are_flushed_ahead() {
-        let dir = tempfile::tempdir_in("/var/tmp").unwrap();
-        let backend = Arc::new(counted_direct_export(&dir, None));
+        let (_tmp, backend) = counted_direct_export(None);
         let mut client = connect_to(Arc::clone(&backend) as Arc<dyn Backend>).await;
         assert_eq!(write_flush_pairs(&mut client, 20).await, [0; 20]);
         let flushes = backend.flushes.load(std::sync::atomic::Ordering::SeqCst);
@@ -2251,10 +2265,9 @@ mod tests {
     /// FLUSH.
     #[tokio::test]
     async fn a_failed_flush_ahead_fails_the_flush_it_was_ahead_of() {
-        let dir = tempfile::tempdir_in("/var/tmp").unwrap();
         // Flushes 1 to 8 are the client's, 9 and 10 the 9th write's ahead and its FLUSH's,
         // and 11 the 10th write's ahead.
-        let backend = Arc::new(counted_direct_export(&dir, Some(11)));
+        let (_tmp, backend) = counted_direct_export(Some(11));
         let mut client = connect_to(Arc::clone(&backend) as Arc<dyn Backend>).await;
         let flushed = write_flush_pairs(&mut client, 12).await;
         let eio = NbdError::Io as u32;
@@ -2794,12 +2807,9 @@ mod tests {
         Vec<u8>,
         Arc<CountingReads<crate::backend::file::FileBackend>>,
     ) {
-        use std::io::Write as _;
         let pattern: Vec<u8> = (0..len).map(|i| (i * step % modulo) as u8).collect();
-        let mut tmp = tempfile::NamedTempFile::new().unwrap();
-        tmp.write_all(&pattern).unwrap();
-        let file = crate::backend::file::FileBackend::open(tmp.path(), None, false, None).unwrap();
-        (tmp, pattern, Arc::new(CountingReads::over(file, None)))
+        let (tmp, backend) = counted_export(&pattern, None, None);
+        (tmp, pattern, backend)
     }
 
     /// Reads of cached file data over a real socket leave through a pipe: a whole read, a

@@ -6,9 +6,11 @@
 //! and two frees per request (the box and the set's task), and with the `Vec` of replies
 //! they were most of the 6 allocations per `--cache=none` 4 KiB read that a probe on
 //! `malloc` counted (`perf probe`, session 32). Here a slot keeps its box
-//! ([`ReusableBoxFuture`] reuses it when the next future has the same layout, as
-//! requests of one kind do) and its waker, made once.
+//! ([`ReusableBoxFuture`] reuses it for a future of the same layout) and its waker, made
+//! once, and a new future goes to an idle slot whose box fits it: requests of one kind
+//! reuse each other's boxes, and so do kinds that take turns (session 38).
 
+use std::alloc::Layout;
 use std::collections::VecDeque;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,6 +19,12 @@ use std::task::{Context, Poll, Wake, Waker};
 
 use futures_util::task::AtomicWaker;
 use tokio_util::sync::ReusableBoxFuture;
+
+/// Idle slots [`InFlight::push`] tries for a box that fits, most recently freed first.
+const SLOTS_SEARCHED: usize = 8;
+/// Idle slots below which a future that fits none of them gets a new slot, not the box
+/// of an idle one: the slots then exceed the most futures ever in flight by at most this.
+const SPARE_SLOTS: usize = 4;
 
 /// Futures in flight, each in a slot of its own until it finishes.
 pub struct InFlight<T> {
@@ -36,6 +44,8 @@ pub struct InFlight<T> {
 
 struct Slot<T> {
     future: Option<ReusableBoxFuture<'static, T>>,
+    /// The layout of the future's box, which a future must have to reuse it.
+    layout: Option<Layout>,
     running: bool,
     /// Wakes this slot: made once, so a future that keeps its waker (`will_wake`) sees
     /// the same one on every poll.
@@ -103,48 +113,72 @@ impl<T: 'static> InFlight<T> {
     }
 
     /// Adds a future; it is first polled by the next [`InFlight::poll_next`].
+    ///
+    /// It goes into the box of an idle slot that fits it, looking among the
+    /// [`SLOTS_SEARCHED`] most recently freed; if none fits, into a new slot while fewer
+    /// than [`SPARE_SLOTS`] are idle, else into a new box in the most recently freed one.
+    /// So a connection whose requests take turns between kinds (a write, the flush ahead
+    /// of it, the client's FLUSH: three future types at iodepth 1) keeps a box for each
+    /// instead of replacing one box at every turn.
     pub fn push<F>(&mut self, future: F)
     where
         F: Future<Output = T> + Send + 'static,
     {
-        let index = match self.idle.pop() {
-            Some(index) => index,
-            None => {
-                let index = self.slots.len();
-                let wake = Arc::new(SlotWake {
-                    index,
-                    listed: AtomicBool::new(false),
-                    shared: Arc::clone(&self.shared),
-                });
-                self.slots.push(Slot {
-                    future: None,
-                    running: false,
-                    waker: Waker::from(Arc::clone(&wake)),
-                    wake,
-                });
-                index
+        // Compared here, not by trying: `try_set` frees the box when the layouts differ.
+        let layout = Layout::new::<F>();
+        let top = self.idle.len();
+        let fitting = (top.saturating_sub(SLOTS_SEARCHED)..top)
+            .rev()
+            .find(|&position| self.slots[self.idle[position]].layout == Some(layout));
+        if let Some(position) = fitting {
+            let index = self.idle.remove(position);
+            if let Some(boxed) = self.slots[index].future.as_mut() {
+                // The layouts match, so this reuses the box.
+                boxed.set(future);
             }
-        };
-        let slot = &mut self.slots[index];
-        // The slot's box is reused when the layout matches (requests of one kind).
-        let unboxed = match &mut slot.future {
-            Some(boxed) => boxed.try_set(future).err(),
-            None => Some(future),
-        };
-        #[cfg(test)]
-        let made_box = unboxed.is_some();
-        if let Some(future) = unboxed {
-            slot.future = Some(ReusableBoxFuture::new(future));
+            self.start(index);
+            return;
         }
+        let index = if self.idle.len() < SPARE_SLOTS {
+            self.new_slot()
+        } else {
+            self.idle.pop().expect("SPARE_SLOTS idle slots")
+        };
+        self.slots[index].future = Some(ReusableBoxFuture::new(future));
+        self.slots[index].layout = Some(layout);
+        #[cfg(test)]
+        {
+            self.boxes_made += 1;
+        }
+        self.start(index);
+    }
+
+    /// A slot with no future, its waker made.
+    fn new_slot(&mut self) -> usize {
+        let index = self.slots.len();
+        let wake = Arc::new(SlotWake {
+            index,
+            listed: AtomicBool::new(false),
+            shared: Arc::clone(&self.shared),
+        });
+        self.slots.push(Slot {
+            future: None,
+            layout: None,
+            running: false,
+            waker: Waker::from(Arc::clone(&wake)),
+            wake,
+        });
+        index
+    }
+
+    /// Marks slot `index`, its future just set, running and due for its first poll.
+    fn start(&mut self, index: usize) {
+        let slot = &mut self.slots[index];
         slot.running = true;
         self.running += 1;
         // Listed now, so that a wake before the first poll does not list it twice.
         slot.wake.listed.store(true, Ordering::Release);
         self.to_poll.push_back(index);
-        #[cfg(test)]
-        {
-            self.boxes_made += usize::from(made_box);
-        }
     }
 
     /// The output of a future that finished, `Ready(None)` when none is running, or
@@ -255,6 +289,52 @@ mod tests {
         });
         assert_eq!(set.boxes_made, 9);
         assert_eq!(set.next().await, Some(64));
+    }
+
+    /// Futures of three kinds taking turns one at a time, as a write, the flush ahead of
+    /// it and the client's FLUSH do at iodepth 1, keep a box each; past the spare slots,
+    /// a kind that fits no idle box takes over the most recently freed.
+    #[tokio::test]
+    async fn kinds_that_take_turns_keep_a_box_each() {
+        let mut set = InFlight::default();
+        for round in 0..100u64 {
+            set.push(job(round));
+            assert_eq!(set.next().await, Some(round));
+            let small = [round; 4];
+            set.push(async move {
+                tokio::task::yield_now().await;
+                small.iter().sum::<u64>()
+            });
+            assert_eq!(set.next().await, Some(4 * round));
+            let large = [round; 32];
+            set.push(async move {
+                tokio::task::yield_now().await;
+                large.iter().sum::<u64>()
+            });
+            assert_eq!(set.next().await, Some(32 * round));
+        }
+        assert_eq!((set.slots.len(), set.boxes_made), (3, 3));
+        // Two more kinds: the fourth still gets a slot of its own, the fifth (four slots
+        // idle) a new box in the fourth's slot.
+        for n in [8usize, 16] {
+            let values = vec![1u64; n];
+            let padding = [0u8; 512];
+            set.push(async move {
+                tokio::task::yield_now().await;
+                values.iter().sum::<u64>() + u64::from(padding[0]) * n as u64
+            });
+            assert_eq!(set.next().await, Some(n as u64));
+            if n == 8 {
+                let padding = [0u16; 512];
+                set.push(async move {
+                    tokio::task::yield_now().await;
+                    u64::from(padding[0])
+                });
+                assert_eq!(set.next().await, Some(0));
+            }
+        }
+        assert_eq!(set.slots.len(), 4, "no slot beyond the spare ones");
+        assert_eq!(set.boxes_made, 6);
     }
 
     #[tokio::test]

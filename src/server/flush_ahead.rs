@@ -70,8 +70,12 @@ impl FlushAhead {
         }
     }
 
-    /// A request was parsed and validated.
+    /// A request was parsed and validated. Nothing to count on an export where a flush
+    /// ahead does not pay: it never arms.
     pub(super) fn request(&mut self, command: &Command) {
+        if !self.pays {
+            return;
+        }
         match *command {
             Command::Flush => {
                 self.streak = if self.writes_since_flush == 1 {

@@ -207,8 +207,8 @@ fn filled_memory_export(len: u64) -> Arc<dyn Backend> {
     Arc::new(memory)
 }
 
-/// Counts `load` against a memory, a page-cache and a `--cache=none` export, writes then
-/// reads (so the memory export's reads find data, not holes), and fails if any count
+/// Counts `load` against a memory, a page-cache and a `--cache=none` export, each filled
+/// with data (so reads find data, not holes), writes then reads, and fails if any count
 /// per request is over `bound`.
 fn hold_every_export_to(load: &Load, bound: f64) {
     hold_every_export_to_kinds(load, &["write", "read"], bound);

@@ -159,8 +159,10 @@ pub fn workload(addr: &str, connection: u64, seed: u64, history: &History, stop:
             cookie += 1;
             let flush_in_flight = in_flight.values().any(|v| v.0 == u64::MAX);
             let flush = if committer {
-                flush_next = !flush_next;
-                !flush_next
+                // Write, FLUSH, write, FLUSH, ...
+                let now = flush_next;
+                flush_next = !now;
+                now
             } else {
                 dice.below(8) == 0 && !flush_in_flight
             };

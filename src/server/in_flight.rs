@@ -117,9 +117,9 @@ impl<T: 'static> InFlight<T> {
     /// It goes into the box of an idle slot that fits it, looking among the
     /// [`SLOTS_SEARCHED`] most recently freed; if none fits, into a new slot while fewer
     /// than [`SPARE_SLOTS`] are idle, else into a new box in the most recently freed one.
-    /// So a connection whose requests take turns between kinds (a write, the flush ahead
-    /// of it, the client's FLUSH: three future types at iodepth 1) keeps a box for each
-    /// instead of replacing one box at every turn.
+    /// So a connection whose requests take turns between kinds (a write, then a FLUSH or
+    /// a flush ahead of it: two future types at iodepth 1) keeps a box for each instead of
+    /// replacing one box at every turn.
     pub fn push<F>(&mut self, future: F)
     where
         F: Future<Output = T> + Send + 'static,

@@ -965,7 +965,7 @@ impl Pipeline {
                     }
                     FlushVerdict::Wait => return,
                 }
-                self.in_flight.push(flush_reply(backend, enc));
+                self.in_flight.push(flush(backend, FlushFor::Client(enc)));
             }
             Command::Trim {
                 offset,
@@ -1211,7 +1211,9 @@ impl Pipeline {
                     self.flush_ahead
                         .finished(result, |enc, failed| match failed {
                             Some(failed) => outq.push_back(status_message(enc, Err(failed), 0)),
-                            None => in_flight.push(flush_reply(Arc::clone(backend), enc)),
+                            None => {
+                                in_flight.push(flush(Arc::clone(backend), FlushFor::Client(enc)))
+                            }
                         });
                 }
             }
@@ -1298,9 +1300,8 @@ impl Pipeline {
                         if all_answered && self.flush_ahead.start_if_due(self.inbuf.is_empty()) {
                             // The write's reply is out: sync it while the client takes
                             // the reply and sends its FLUSH.
-                            let backend = Arc::clone(&self.backend);
                             self.in_flight
-                                .push(async move { Finished::FlushedAhead(backend.flush().await) });
+                                .push(flush(Arc::clone(&self.backend), FlushFor::Ahead));
                         } else if all_answered {
                             let gather = self.coalesce.replied(CONNECTIONS.load(Ordering::Relaxed));
                             if let Some(fd) = stream.socket_fd().filter(|_| gather) {
@@ -1376,11 +1377,23 @@ fn poll_read_into<S: Stream + ?Sized>(
     Poll::Ready(Ok(window.filled().len()))
 }
 
-/// The client's FLUSH `enc`, answered once `backend` has flushed. One function for both
-/// places that start it (as parsed, or after a flush ahead it waited for), so that their
-/// futures share a type and reuse each other's slot boxes.
-async fn flush_reply(backend: Arc<dyn Backend>, enc: ReplyEncoder) -> Finished {
-    Finished::from(status_reply(enc, backend.flush().await, 0))
+/// Whose flush a backend flush is.
+enum FlushFor {
+    /// The client's FLUSH, answered with the flush's result.
+    Client(ReplyEncoder),
+    /// A flush ahead of the client's (see [`FlushAhead`]): no reply.
+    Ahead,
+}
+
+/// `backend` flushed, for `whom`. One function for every place that starts a flush (the
+/// client's FLUSH as parsed or after a flush ahead it waited for, and the flush ahead
+/// itself), so that their futures share a type and reuse each other's slot boxes.
+async fn flush(backend: Arc<dyn Backend>, whom: FlushFor) -> Finished {
+    let result = backend.flush().await;
+    match whom {
+        FlushFor::Client(enc) => Finished::from(status_reply(enc, result, 0)),
+        FlushFor::Ahead => Finished::FlushedAhead(result),
+    }
 }
 
 /// [`status_message`] as the replies of a request future.

@@ -121,6 +121,15 @@ pub fn inlined() -> u64 {
     INLINED.load(Ordering::Relaxed)
 }
 
+/// Lone system calls handed to another thread so far, across the process.
+static HANDED_OFF: AtomicU64 = AtomicU64::new(0);
+
+/// How many lone system calls were handed to another thread with `block_in_place` so far,
+/// because the device had been slow (see [`Ring::run_lone`]); each allocates in tokio.
+pub fn handed_off() -> u64 {
+    HANDED_OFF.load(Ordering::Relaxed)
+}
+
 /// Runs `work` (which polls the one request a connection has in flight) with this thread's
 /// ring writes and syncs run as plain blocking system calls on this thread whenever they
 /// find the ring empty (see `Ring::run_lone` for why that may block a worker).
@@ -749,6 +758,7 @@ impl Ring {
     fn run_lone<R>(&self, call: impl FnOnce() -> R) -> R {
         let started = Instant::now();
         if on_multi_threaded_runtime() == Some(true) && self.hands_off_at(started) {
+            HANDED_OFF.fetch_add(1, Ordering::Relaxed);
             return tokio::task::block_in_place(call);
         }
         let result = call();

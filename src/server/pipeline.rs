@@ -53,6 +53,7 @@ use super::flush_ahead::{FlushAhead, FlushVerdict};
 use super::handshake::Negotiated;
 use super::idle_spin::{CountedConnection, IdleSpin, SpinOutcome, CONNECTIONS};
 use super::in_flight::InFlight;
+use super::splice_probe::{SpliceProbe, LARGE_READ};
 use super::validate::{validate, Command, Limits};
 use super::Stream;
 use crate::backend::splice::Spliced;
@@ -305,6 +306,7 @@ pub async fn run<S: Stream>(
         spin: IdleSpin::new(),
         coalesce: Coalesce::default(),
         splice: stream.can_splice(),
+        splice_probe: SpliceProbe::default(),
         on_device,
         after_large_payload: false,
     };
@@ -466,6 +468,9 @@ struct Pipeline {
     coalesce: Coalesce,
     /// The socket takes read data straight from a pipe ([`Backend::read_to_pipe`]).
     splice: bool,
+    /// Whether this client takes spliced or copied large reads faster (see
+    /// `super::splice_probe`).
+    splice_probe: SpliceProbe,
     /// The backend is a device whose completions can be polled (`poll_completions`), not
     /// a layer such as replication over one.
     on_device: bool,
@@ -763,7 +768,7 @@ impl Pipeline {
     ///
     /// Measured reason: ARCHITECTURE.md, "Cached file reads leave without a copy".
     fn stream_cached_read(&mut self, enc: ReplyEncoder, offset: u64, length: u32) -> bool {
-        if !self.splice || !self.backend.all_cached(offset, u64::from(length)) {
+        if !self.splicing() || !self.backend.all_cached(offset, u64::from(length)) {
             return false;
         }
         let chunked = self.reply_style != ReplyStyle::Simple;
@@ -803,10 +808,16 @@ impl Pipeline {
     /// The data of a read put into a pipe for the socket to take without a copy, when the
     /// socket and the backend can do that now (page-cache data; see `backend::splice`).
     fn read_to_pipe(&self, offset: u64, length: u32) -> Option<Spliced> {
-        if !self.splice {
+        if !self.splicing() {
             return None;
         }
         self.backend.read_to_pipe(offset, length as usize)
+    }
+
+    /// Whether cached reads are spliced now: the socket takes splices, and this client
+    /// has not been measured to take copies faster.
+    fn splicing(&self) -> bool {
+        self.splice && self.splice_probe.splicing()
     }
 
     /// Serves a write whose payload is already whole in the read buffer at once, when the
@@ -872,6 +883,9 @@ impl Pipeline {
         match command {
             Command::Read { offset, length, df } => {
                 self.held += u64::from(length);
+                if self.splice && length >= LARGE_READ {
+                    self.splice_probe.read(length, std::time::Instant::now());
+                }
                 let pieces =
                     if self.reply_style != ReplyStyle::Simple && !df && length > STREAM_PIECE {
                         length.div_ceil(STREAM_PIECE)
@@ -1028,7 +1042,8 @@ impl Pipeline {
         let mut wrote = false;
         while let Some(front) = self.outq.front_mut() {
             if front.later.is_some() && self.front_written >= front.header.len() {
-                let (backend, splice) = (&self.backend, self.splice);
+                let splice = self.splice && self.splice_probe.splicing();
+                let backend = &self.backend;
                 match poll_later_piece(backend, splice, front, &mut self.later_pieces, cx) {
                     Poll::Ready(Ok(())) => continue,
                     Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),

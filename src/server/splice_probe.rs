@@ -1,0 +1,251 @@
+//! Choosing, per connection, between splicing cached file reads into the socket and
+//! copying them, by measuring which one the client takes faster.
+//!
+//! A spliced read hands the socket the page cache's own pages, so the client's copy reads
+//! from each page at the file offset's place in it. On some CPUs that copy is an order of
+//! magnitude slower when the client's buffer lies a few bytes past that place within a
+//! page: on the AMD EPYC VM of session 39, `rep movsb` copied 2–3 GB/s instead of 27–36
+//! with the destination 4 to 28 bytes past the source, and fio's buffers lie 16 bytes past
+//! a page (glibc's `malloc` for large blocks). Against fio, copying read 1.6–2.1× faster
+//! than splicing at every size from 64 KiB to 32 MiB; against nbd-load, whose data lands
+//! at positions that move with each reply, splicing read 3.4× faster, and it costs the
+//! server a third of the CPU (`bench/RESULTS.md`, session 39). The server cannot see the
+//! client's buffers, so it measures, as request coalescing does (`super::coalesce`).
+//!
+//! A probe runs four epochs: splicing, copying, copying, splicing, so that a steady drift
+//! weighs on both sides alike. An epoch lets [`SETTLE_READS`] large reads pass, then
+//! measures the rate of at least [`EPOCH_READS`] more and [`EPOCH_BYTES`]. Copying is chosen
+//! only when each copying epoch read faster than both splicing epochs by [`COPY_MARGIN`];
+//! otherwise splicing, the cheaper for the server, stays. The verdict holds for a number
+//! of epochs that doubles while probes agree, then the connection probes again.
+
+use std::time::Instant;
+
+/// Reads of at least this many bytes count: smaller ones are never spliced (the file
+/// backend's threshold).
+pub(super) const LARGE_READ: u32 = 64 * 1024;
+/// Large reads at the start of an epoch that are not measured: the client sends them as
+/// replies of the epoch before arrive, so their pace is that epoch's.
+const SETTLE_READS: u32 = 8;
+/// Large reads measured per epoch, at least.
+const EPOCH_READS: u32 = 16;
+/// Bytes of large reads measured per epoch, at least.
+const EPOCH_BYTES: u64 = 32 << 20;
+/// Epochs in a probe: splicing, copying, copying, splicing.
+const PROBE_EPOCHS: usize = 4;
+/// Each copying epoch must read this much faster than either splicing epoch.
+const COPY_MARGIN: f64 = 1.25;
+/// Epochs a first verdict holds before the next probe.
+const MIN_HOLD_EPOCHS: u32 = 4;
+/// The longest hold, reached by doubling while probes agree.
+const MAX_HOLD_EPOCHS: u32 = 256;
+
+/// Where the connection is in its cycle of probing and holding.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Phase {
+    /// Measuring epoch `n` of a probe.
+    Probing(usize),
+    /// Splicing or copying for `epochs_left` more epochs.
+    Holding { splice: bool, epochs_left: u32 },
+}
+
+/// One connection's choice between splicing and copying large cached reads.
+#[derive(Debug)]
+pub(super) struct SpliceProbe {
+    phase: Phase,
+    /// Large reads in the current epoch so far, settling ones included.
+    epoch_reads: u32,
+    /// When the current epoch's last settling read came: its measured span starts there.
+    epoch_start: Option<Instant>,
+    /// Bytes of the measured reads.
+    epoch_bytes: u64,
+    /// Bytes a second of each epoch of the current probe.
+    rates: [f64; PROBE_EPOCHS],
+    /// The last verdict and how long it held.
+    last_verdict: Option<(bool, u32)>,
+}
+
+impl Default for SpliceProbe {
+    fn default() -> Self {
+        SpliceProbe {
+            phase: Phase::Probing(0),
+            epoch_reads: 0,
+            epoch_start: None,
+            epoch_bytes: 0,
+            rates: [0.0; PROBE_EPOCHS],
+            last_verdict: None,
+        }
+    }
+}
+
+impl SpliceProbe {
+    /// Whether large cached reads are spliced now.
+    pub(super) fn splicing(&self) -> bool {
+        match self.phase {
+            Phase::Probing(n) => probe_epoch_splices(n),
+            Phase::Holding { splice, .. } => splice,
+        }
+    }
+
+    /// A read of `length` bytes was parsed at `now`; only large ones count.
+    pub(super) fn read(&mut self, length: u32, now: Instant) {
+        if length < LARGE_READ {
+            return;
+        }
+        self.epoch_reads += 1;
+        if self.epoch_reads <= SETTLE_READS {
+            if self.epoch_reads == SETTLE_READS {
+                self.epoch_start = Some(now);
+            }
+            return;
+        }
+        self.epoch_bytes += u64::from(length);
+        if self.epoch_reads < SETTLE_READS + EPOCH_READS || self.epoch_bytes < EPOCH_BYTES {
+            return;
+        }
+        let start = self.epoch_start.unwrap_or(now);
+        let seconds = now.duration_since(start).as_secs_f64().max(1e-9);
+        let rate = self.epoch_bytes as f64 / seconds;
+        self.epoch_reads = 0;
+        self.epoch_start = None;
+        self.epoch_bytes = 0;
+        self.end_epoch(rate);
+    }
+
+    fn end_epoch(&mut self, rate: f64) {
+        self.phase = match self.phase {
+            Phase::Probing(n) => {
+                self.rates[n] = rate;
+                if n + 1 < PROBE_EPOCHS {
+                    Phase::Probing(n + 1)
+                } else {
+                    let splice = !copying_pays(&self.rates);
+                    let hold = match self.last_verdict {
+                        Some((last, held)) if last == splice => (held * 2).min(MAX_HOLD_EPOCHS),
+                        _ => MIN_HOLD_EPOCHS,
+                    };
+                    tracing::debug!(splice, hold, rates = ?self.rates, "splice probed");
+                    self.last_verdict = Some((splice, hold));
+                    Phase::Holding {
+                        splice,
+                        epochs_left: hold,
+                    }
+                }
+            }
+            Phase::Holding { epochs_left: 0, .. } => Phase::Probing(0),
+            Phase::Holding {
+                splice,
+                epochs_left,
+            } => Phase::Holding {
+                splice,
+                epochs_left: epochs_left - 1,
+            },
+        };
+    }
+}
+
+/// Whether epoch `n` of a probe splices: splicing, copying, copying, splicing.
+fn probe_epoch_splices(n: usize) -> bool {
+    n == 0 || n == PROBE_EPOCHS - 1
+}
+
+/// Whether a probe's copying epochs each read faster than both of its splicing epochs by
+/// [`COPY_MARGIN`].
+fn copying_pays(rates: &[f64; PROBE_EPOCHS]) -> bool {
+    let spliced = rates[0].max(rates[3]);
+    rates[1].min(rates[2]) > spliced * COPY_MARGIN
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// Feeds one epoch of 1 MiB reads taking `seconds` in all, from `*clock` on.
+    fn epoch(probe: &mut SpliceProbe, clock: &mut Instant, seconds: f64) {
+        let reads = SETTLE_READS + EPOCH_READS.max((EPOCH_BYTES >> 20) as u32);
+        let step = Duration::from_secs_f64(seconds / f64::from(reads - 1));
+        for i in 0..reads {
+            if i > 0 {
+                *clock += step;
+            }
+            probe.read(1 << 20, *clock);
+        }
+        *clock += step;
+    }
+
+    #[test]
+    fn small_reads_do_not_count() {
+        let mut probe = SpliceProbe::default();
+        let now = Instant::now();
+        for _ in 0..100_000 {
+            probe.read(LARGE_READ - 1, now);
+        }
+        assert_eq!(probe.phase, Phase::Probing(0));
+        assert_eq!((probe.epoch_reads, probe.epoch_bytes), (0, 0));
+    }
+
+    #[test]
+    fn a_client_that_takes_copies_faster_gets_copies_and_is_probed_again() {
+        let mut probe = SpliceProbe::default();
+        let mut clock = Instant::now();
+        // Splicing epochs take 2 s, copying ones 1 s: the client reads copies twice as fast.
+        for n in 0..PROBE_EPOCHS {
+            assert_eq!(probe.splicing(), n == 0 || n == 3, "epoch {n}");
+            let seconds = if probe.splicing() { 2.0 } else { 1.0 };
+            epoch(&mut probe, &mut clock, seconds);
+        }
+        assert!(!probe.splicing());
+        assert_eq!(
+            probe.phase,
+            Phase::Holding {
+                splice: false,
+                epochs_left: MIN_HOLD_EPOCHS
+            }
+        );
+        for _ in 0..=MIN_HOLD_EPOCHS {
+            epoch(&mut probe, &mut clock, 1.0);
+        }
+        assert_eq!(probe.phase, Phase::Probing(0));
+        assert!(probe.splicing());
+    }
+
+    #[test]
+    fn splicing_stays_unless_copying_wins_both_comparisons_by_the_margin() {
+        // Level, slightly faster copies, and one fast copying epoch: splicing stays.
+        for rates in [
+            [2.0, 2.0, 2.0, 2.0],
+            [2.0, 2.4, 2.4, 2.0],
+            [2.0, 4.0, 2.1, 2.0],
+            [1.0, 3.0, 3.0, 2.5],
+        ] {
+            assert!(!copying_pays(&rates), "{rates:?}");
+        }
+        assert!(copying_pays(&[1.0, 2.0, 2.0, 1.2]));
+    }
+
+    #[test]
+    fn agreeing_probes_hold_longer_up_to_the_cap() {
+        let mut probe = SpliceProbe::default();
+        let mut clock = Instant::now();
+        let mut holds = Vec::new();
+        for _ in 0..10 {
+            for _ in 0..PROBE_EPOCHS {
+                epoch(&mut probe, &mut clock, 1.0);
+            }
+            let Phase::Holding {
+                splice,
+                epochs_left,
+            } = probe.phase
+            else {
+                panic!("not holding after a probe: {:?}", probe.phase);
+            };
+            assert!(splice, "level rates keep splicing");
+            holds.push(epochs_left);
+            for _ in 0..=epochs_left {
+                epoch(&mut probe, &mut clock, 1.0);
+            }
+        }
+        assert_eq!(holds, [4, 8, 16, 32, 64, 128, 256, 256, 256, 256]);
+    }
+}

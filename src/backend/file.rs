@@ -31,9 +31,6 @@ use crate::buffer::{Buffer, ALIGN};
 /// (`RWF_NOWAIT`) on the calling worker: a plain `preadv2` is cheaper than a trip through
 /// the ring when the page is there.
 const NOWAIT_READ_MAX: usize = 64 * 1024;
-/// Reads at least this long, in writeback mode, are sent from the page cache by splicing
-/// when the range is cached ([`super::splice`]) instead of being copied twice.
-const SPLICE_MIN: usize = 64 * 1024;
 /// Reads at least this long ask the file system where its holes are first.
 const HOLE_QUERY_MIN: usize = 64 * 1024;
 /// In writeback mode, once this many bytes have been written into the page cache since
@@ -651,7 +648,7 @@ impl Backend for FileBackend {
         // cache. Cached holes read as zeroes and go out as data, which is correct; an
         // uncached range (holes never read are never cached) takes the copying path,
         // which reports holes as holes.
-        if self.cache != CacheMode::Writeback || length < SPLICE_MIN {
+        if self.cache != CacheMode::Writeback || length < super::splice::SPLICE_MIN {
             return None;
         }
         super::splice::splice_cached(&self.file, offset, length)

@@ -34,6 +34,10 @@ pub const MAX_PIPES: usize = 256;
 const PIPE_SIZE: usize = 1 << 20;
 /// The longest range one spliced read may hold.
 pub const MAX_SPLICE: usize = PIPE_SIZE / 2;
+/// Reads at least this long, in writeback mode, are sent from the page cache by splicing
+/// when the range is cached instead of being copied twice (shorter ones are copied: the
+/// two extra system calls cost more than the copy).
+pub const SPLICE_MIN: usize = 64 * 1024;
 
 static POOL: Mutex<Vec<Pipe>> = Mutex::new(Vec::new());
 static PIPES: AtomicUsize = AtomicUsize::new(0);

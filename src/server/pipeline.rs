@@ -1042,6 +1042,7 @@ impl Pipeline {
         let mut wrote = false;
         while let Some(front) = self.outq.front_mut() {
             if front.later.is_some() && self.front_written >= front.header.len() {
+                // `self.splicing()`, field by field: `front` borrows `self.outq`.
                 let splice = self.splice && self.splice_probe.splicing();
                 let backend = &self.backend;
                 match poll_later_piece(backend, splice, front, &mut self.later_pieces, cx) {

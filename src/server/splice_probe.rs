@@ -21,9 +21,8 @@
 
 use std::time::Instant;
 
-/// Reads of at least this many bytes count: smaller ones are never spliced (the file
-/// backend's threshold).
-pub(super) const LARGE_READ: u32 = 64 * 1024;
+/// Reads of at least this many bytes count: smaller ones are never spliced.
+pub(super) const LARGE_READ: u32 = crate::backend::splice::SPLICE_MIN as u32;
 /// Large reads at the start of an epoch that are not measured: the client sends them as
 /// replies of the epoch before arrive, so their pace is that epoch's.
 const SETTLE_READS: u32 = 8;

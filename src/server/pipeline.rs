@@ -53,7 +53,7 @@ use super::flush_ahead::{FlushAhead, FlushVerdict};
 use super::handshake::Negotiated;
 use super::idle_spin::{CountedConnection, IdleSpin, SpinOutcome, CONNECTIONS};
 use super::in_flight::InFlight;
-use super::splice_probe::{SpliceProbe, LARGE_READ};
+use super::splice_probe::SpliceProbe;
 use super::validate::{validate, Command, Limits};
 use super::Stream;
 use crate::backend::splice::Spliced;
@@ -883,8 +883,8 @@ impl Pipeline {
         match command {
             Command::Read { offset, length, df } => {
                 self.held += u64::from(length);
-                if self.splice && length >= LARGE_READ {
-                    self.splice_probe.read(length, std::time::Instant::now());
+                if self.splice {
+                    self.splice_probe.read(length, std::time::Instant::now);
                 }
                 let pieces =
                     if self.reply_style != ReplyStyle::Simple && !df && length > STREAM_PIECE {

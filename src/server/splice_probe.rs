@@ -22,7 +22,7 @@
 use std::time::Instant;
 
 /// Reads of at least this many bytes count: smaller ones are never spliced.
-pub(super) const LARGE_READ: u32 = crate::backend::splice::SPLICE_MIN as u32;
+const LARGE_READ: u32 = crate::backend::splice::SPLICE_MIN as u32;
 /// Large reads at the start of an epoch that are not measured: the client sends them as
 /// replies of the epoch before arrive, so their pace is that epoch's.
 const SETTLE_READS: u32 = 8;
@@ -86,15 +86,17 @@ impl SpliceProbe {
         }
     }
 
-    /// A read of `length` bytes was parsed at `now`; only large ones count.
-    pub(super) fn read(&mut self, length: u32, now: Instant) {
+    /// A read of `length` bytes was parsed; only large ones count. `clock` tells the time,
+    /// and is asked only where an epoch's measured span starts or ends (twice an epoch),
+    /// not for every read.
+    pub(super) fn read(&mut self, length: u32, clock: impl FnOnce() -> Instant) {
         if length < LARGE_READ {
             return;
         }
         self.epoch_reads += 1;
         if self.epoch_reads <= SETTLE_READS {
             if self.epoch_reads == SETTLE_READS {
-                self.epoch_start = Some(now);
+                self.epoch_start = Some(clock());
             }
             return;
         }
@@ -102,6 +104,7 @@ impl SpliceProbe {
         if self.epoch_reads < SETTLE_READS + EPOCH_READS || self.epoch_bytes < EPOCH_BYTES {
             return;
         }
+        let now = clock();
         let start = self.epoch_start.unwrap_or(now);
         let seconds = now.duration_since(start).as_secs_f64().max(1e-9);
         let rate = self.epoch_bytes as f64 / seconds;
@@ -168,7 +171,8 @@ mod tests {
             if i > 0 {
                 *clock += step;
             }
-            probe.read(1 << 20, *clock);
+            let now = *clock;
+            probe.read(1 << 20, || now);
         }
         *clock += step;
     }
@@ -178,7 +182,7 @@ mod tests {
         let mut probe = SpliceProbe::default();
         let now = Instant::now();
         for _ in 0..100_000 {
-            probe.read(LARGE_READ - 1, now);
+            probe.read(LARGE_READ - 1, || now);
         }
         assert_eq!(probe.phase, Phase::Probing(0));
         assert_eq!((probe.epoch_reads, probe.epoch_bytes), (0, 0));

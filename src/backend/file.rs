@@ -654,6 +654,10 @@ impl Backend for FileBackend {
         super::splice::splice_cached(&self.file, offset, length)
     }
 
+    fn can_splice(&self) -> bool {
+        self.cache == CacheMode::Writeback
+    }
+
     fn all_cached(&self, offset: u64, length: u64) -> bool {
         self.cache == CacheMode::Writeback
             && super::splice::cached(&self.file, offset, length) == Some(true)
@@ -972,6 +976,24 @@ mod tests {
             let on_disk = std::fs::read(&path).unwrap();
             assert!(on_disk[..512].iter().all(|&x| x == 1), "{mode}");
             assert!(on_disk[8192..1 << 20].iter().all(|&x| x == 9), "{mode}");
+        }
+    }
+
+    #[test]
+    fn only_a_page_cache_export_says_it_can_splice_and_only_it_does() {
+        for mode in MODES {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("disk.img");
+            let b = FileBackend::open(&path, Some(4 << 20), false, Some(mode)).unwrap();
+            block_on(async {
+                b.write(0, Bytes::from(vec![7u8; 1 << 20]).into(), false)
+                    .await
+                    .unwrap();
+            });
+            assert_eq!(b.can_splice(), mode == CacheMode::Writeback, "{mode}");
+            // Just written through the page cache, so cached: spliced when it can be.
+            let spliced = b.read_to_pipe(0, super::super::splice::SPLICE_MIN);
+            assert_eq!(spliced.is_some(), b.can_splice(), "{mode}");
         }
     }
 

@@ -373,6 +373,10 @@ mod tests {
         let r = block_on(m.read(PAGE_SIZE - 7, data.len())).unwrap();
         assert_eq!(&r.bytes()[..], &data[..]);
         assert!(r.runs.iter().all(|&(_, hole)| !hole));
+        // Memory pages are copied into the socket, never spliced: no connection to a
+        // memory export measures which of the two its client takes faster.
+        assert!(!m.can_splice());
+        assert!(m.read_to_pipe(0, 1 << 20).is_none());
         // Pages 0..=4 were touched; page 5 is still a hole.
         let ext = block_on(m.extents(0, 6 * PAGE_SIZE)).unwrap();
         assert_eq!(

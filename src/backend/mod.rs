@@ -654,6 +654,12 @@ pub trait Backend: Send + Sync + 'static {
     fn read_to_pipe(&self, _offset: u64, _length: usize) -> Option<splice::Spliced> {
         None
     }
+    /// Whether [`Backend::read_to_pipe`] can ever hand out a pipe. A connection measures
+    /// whether its client takes spliced or copied reads faster only when it can
+    /// (`server::splice_probe`).
+    fn can_splice(&self) -> bool {
+        false
+    }
     /// Whether every byte of `[offset, offset + length)` is in the page cache now, so that
     /// [`Backend::read_to_pipe`] can be expected to take each piece of it and a read of it
     /// cannot fail for want of the device. A reply that must commit to its data before all

@@ -1017,6 +1017,10 @@ impl Backend for ReplicatedBackend {
         self.shared.local.read_to_pipe(offset, length)
     }
 
+    fn can_splice(&self) -> bool {
+        self.shared.local.can_splice()
+    }
+
     fn all_cached(&self, offset: u64, length: u64) -> bool {
         self.shared.local.all_cached(offset, length)
     }

@@ -305,7 +305,7 @@ pub async fn run<S: Stream>(
         flush_ahead: FlushAhead::new(negotiated.export.backend.flush_ahead_pays()),
         spin: IdleSpin::new(),
         coalesce: Coalesce::default(),
-        splice: stream.can_splice(),
+        splice: stream.can_splice() && negotiated.export.backend.can_splice(),
         splice_probe: SpliceProbe::default(),
         on_device,
         after_large_payload: false,
@@ -466,7 +466,8 @@ struct Pipeline {
     spin: IdleSpin,
     /// Naps before reading while that lets requests gather (see `super::coalesce`).
     coalesce: Coalesce,
-    /// The socket takes read data straight from a pipe ([`Backend::read_to_pipe`]).
+    /// The socket takes read data straight from a pipe, and the backend can put read data
+    /// into one ([`Backend::read_to_pipe`]).
     splice: bool,
     /// Whether this client takes spliced or copied large reads faster (see
     /// `super::splice_probe`).
@@ -1928,6 +1929,9 @@ mod tests {
             let spliced = self.inner.read_to_pipe(offset, length)?;
             count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             Some(spliced)
+        }
+        fn can_splice(&self) -> bool {
+            self.inner.can_splice()
         }
         fn all_cached(&self, offset: u64, length: u64) -> bool {
             self.inner.all_cached(offset, length)

@@ -848,6 +848,18 @@ mod tests {
 
     const MODES: [CacheMode; 2] = [CacheMode::Writeback, CacheMode::None];
 
+    /// A new export of `size` bytes in a directory of its own (removed when the returned
+    /// directory is dropped), in `mode` or the default cache mode.
+    fn new_export(
+        size: u64,
+        mode: Option<CacheMode>,
+    ) -> (tempfile::TempDir, std::path::PathBuf, FileBackend) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("disk.img");
+        let backend = FileBackend::open(&path, Some(size), false, mode).unwrap();
+        (dir, path, backend)
+    }
+
     #[test]
     fn a_missing_file_is_created_sparse_and_an_existing_one_is_never_resized() {
         let dir = tempfile::tempdir().unwrap();
@@ -933,9 +945,7 @@ mod tests {
     #[test]
     fn writes_trims_and_zeroes_read_back_in_both_cache_modes() {
         for mode in MODES {
-            let dir = tempfile::tempdir().unwrap();
-            let path = dir.path().join("disk.img");
-            let b = FileBackend::open(&path, Some(4 << 20), false, Some(mode)).unwrap();
+            let (_dir, path, b) = new_export(4 << 20, Some(mode));
             block_on(async {
                 b.write(4096, Bytes::from(vec![9u8; 1 << 20]).into(), false)
                     .await
@@ -982,9 +992,7 @@ mod tests {
     #[test]
     fn only_a_page_cache_export_says_it_can_splice_and_only_it_does() {
         for mode in MODES {
-            let dir = tempfile::tempdir().unwrap();
-            let path = dir.path().join("disk.img");
-            let b = FileBackend::open(&path, Some(4 << 20), false, Some(mode)).unwrap();
+            let (_dir, _path, b) = new_export(4 << 20, Some(mode));
             block_on(async {
                 b.write(0, Bytes::from(vec![7u8; 1 << 20]).into(), false)
                     .await
@@ -1053,9 +1061,7 @@ mod tests {
 
     #[test]
     fn cached_small_reads_take_the_non_blocking_path_and_agree_with_the_ring() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("disk.img");
-        let b = FileBackend::open(&path, Some(1 << 20), false, None).unwrap();
+        let (_dir, _path, b) = new_export(1 << 20, None);
         b.file.write_all_at(&[6u8; 4096], 8192).unwrap();
         let fast = read_without_blocking(&b.file, 8192, 4096)
             .expect("a cached page reads without blocking");
@@ -1084,9 +1090,7 @@ mod tests {
 
     #[test]
     fn a_declined_read_does_not_try_the_page_cache_again() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("disk.img");
-        let b = FileBackend::open(&path, Some(1 << 20), false, None).unwrap();
+        let (_dir, _path, b) = new_export(1 << 20, None);
         b.file.write_all_at(&[4u8; 4096], 0).unwrap();
         let tries = || b.nowait_tries.load(std::sync::atomic::Ordering::Relaxed);
         block_on(async {

@@ -648,7 +648,7 @@ impl Backend for FileBackend {
         // cache. Cached holes read as zeroes and go out as data, which is correct; an
         // uncached range (holes never read are never cached) takes the copying path,
         // which reports holes as holes.
-        if self.cache != CacheMode::Writeback || length < super::splice::SPLICE_MIN {
+        if !self.can_splice() || length < super::splice::SPLICE_MIN {
             return None;
         }
         super::splice::splice_cached(&self.file, offset, length)

@@ -1521,7 +1521,7 @@ mod tests {
         let (mut caught_in_flight, mut uncached) = (0, 0);
         for round in 0..20u64 {
             rustix::fs::fadvise(file.as_ref(), 0, 0, rustix::fs::Advice::DontNeed).unwrap();
-            if super::super::splice::cached(&file, round * 4096, 65536) != Some(false) {
+            if crate::backend::splice::cached(&file, round * 4096, 65536) != Some(false) {
                 // Nothing to learn where the pages stay (tmpfs) or the kernel cannot tell.
                 continue;
             }

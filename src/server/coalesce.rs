@@ -39,12 +39,12 @@ use bytes::BytesMut;
 use rustix::io::Errno;
 use rustix::net::RecvFlags;
 
+use super::probe::{Probe, PROBE_EPOCHS};
+
 /// How long a nap lasts.
 pub const NAP: Duration = Duration::from_micros(20);
 /// Requests per measuring epoch.
 const EPOCH_REQUESTS: u32 = 1024;
-/// Epochs in a probe; they alternate between not napping and napping.
-const PROBE_EPOCHS: u32 = 4;
 /// Epochs a new verdict holds before the next probe ...
 const MIN_HOLD_EPOCHS: u32 = 8;
 /// ... doubling each time a probe repeats it, up to this many.
@@ -97,11 +97,14 @@ struct Totals {
 }
 
 impl Totals {
-    fn add(&mut self, from: Clocks, to: Clocks, requests: u32, naps: u32) {
-        self.wall += to.wall.saturating_sub(from.wall);
-        self.cpu += to.cpu.saturating_sub(from.cpu);
-        self.requests += u64::from(requests);
-        self.naps += u64::from(naps);
+    /// An epoch from `from` to `to` of `requests` requests and `naps` naps.
+    fn between(from: Clocks, to: Clocks, requests: u32, naps: u32) -> Totals {
+        Totals {
+            wall: to.wall.saturating_sub(from.wall),
+            cpu: to.cpu.saturating_sub(from.cpu),
+            requests: u64::from(requests),
+            naps: u64::from(naps),
+        }
     }
 
     fn plus(self, other: Totals) -> Totals {
@@ -125,7 +128,7 @@ impl Totals {
 /// (measured at iodepth 32, 5 ms epochs), and the sums in this order cancel a steady
 /// drift. The CPU saving is judged pair by pair, so that a drift that is not steady (a
 /// warm-up) cannot pass for a saving: it would favour one pair and not the other.
-fn napping_pays(probe: &[Totals; PROBE_EPOCHS as usize]) -> bool {
+fn napping_pays(probe: &[Totals; PROBE_EPOCHS]) -> bool {
     let [first, second, third, fourth] = *probe;
     if probe.iter().any(|t| t.requests == 0 || t.wall == 0) {
         return false;
@@ -142,26 +145,15 @@ fn napping_pays(probe: &[Totals; PROBE_EPOCHS as usize]) -> bool {
         && saves(fourth, third)
 }
 
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Phase {
-    /// Measuring; epoch `n` of the probe naps when `n` is 1 or 2.
-    Probing(u32),
-    /// A verdict, for this many more epochs.
-    Holding { nap: bool, epochs_left: u32 },
-}
-
 /// One connection's coalescing state.
 pub struct Coalesce {
-    phase: Phase,
+    /// The probe's cycle; its alternative is napping.
+    cycle: Probe<Totals>,
     /// When the current epoch began (`None`: not measuring, for example while other
     /// connections exist).
     epoch_start: Option<Clocks>,
     epoch_requests: u32,
     epoch_naps: u32,
-    /// What each epoch of the probe took.
-    probe: [Totals; PROBE_EPOCHS as usize],
-    /// The last verdict and how many epochs it held.
-    last_verdict: Option<(bool, u32)>,
     /// Receive buffer for [`Coalesce::gather`], which reads past the reactor.
     scratch: Vec<u8>,
     /// Requests parsed since every reply was last written.
@@ -185,12 +177,10 @@ pub enum Gathered {
 impl Default for Coalesce {
     fn default() -> Self {
         Coalesce {
-            phase: Phase::Probing(0),
+            cycle: Probe::new(MIN_HOLD_EPOCHS, MAX_HOLD_EPOCHS),
             epoch_start: None,
             epoch_requests: 0,
             epoch_naps: 0,
-            probe: [Totals::default(); PROBE_EPOCHS as usize],
-            last_verdict: None,
             scratch: Vec::new(),
             round_requests: 0,
             streaming: false,
@@ -212,9 +202,7 @@ impl Coalesce {
         self.streaming = std::mem::take(&mut self.round_requests) >= NAP_WITHOUT_LOOKING;
         if connections != 1 {
             self.epoch_start = None;
-            self.phase = Phase::Probing(0);
-            self.probe = [Totals::default(); PROBE_EPOCHS as usize];
-            self.last_verdict = None;
+            self.cycle.restart();
             return false;
         }
         if self.epoch_start.is_none() {
@@ -271,52 +259,19 @@ impl Coalesce {
 
     /// Whether the current epoch naps.
     fn napping(&self) -> bool {
-        match self.phase {
-            Phase::Probing(n) => probe_epoch_naps(n),
-            Phase::Holding { nap, .. } => nap,
-        }
+        self.cycle.alternative()
     }
 
     fn end_epoch(&mut self, now: Clocks) {
         let start = self.epoch_start.replace(now).unwrap_or(now);
         let requests = std::mem::take(&mut self.epoch_requests);
         let naps = std::mem::take(&mut self.epoch_naps);
-        self.phase = match self.phase {
-            Phase::Probing(n) => {
-                self.probe[n as usize].add(start, now, requests, naps);
-                if n + 1 < PROBE_EPOCHS {
-                    Phase::Probing(n + 1)
-                } else {
-                    let probe = std::mem::replace(
-                        &mut self.probe,
-                        [Totals::default(); PROBE_EPOCHS as usize],
-                    );
-                    let nap = napping_pays(&probe);
-                    let hold = match self.last_verdict {
-                        Some((last, held)) if last == nap => (held * 2).min(MAX_HOLD_EPOCHS),
-                        _ => MIN_HOLD_EPOCHS,
-                    };
-                    tracing::debug!(nap, hold, ?probe, "request coalescing probed");
-                    self.last_verdict = Some((nap, hold));
-                    Phase::Holding {
-                        nap,
-                        epochs_left: hold,
-                    }
-                }
-            }
-            Phase::Holding { epochs_left: 0, .. } => Phase::Probing(0),
-            Phase::Holding { nap, epochs_left } => Phase::Holding {
-                nap,
-                epochs_left: epochs_left - 1,
-            },
-        };
+        let took = Totals::between(start, now, requests, naps);
+        if let Some(verdict) = self.cycle.end_epoch(took, napping_pays) {
+            let (nap, hold, probe) = (verdict.alternative, verdict.hold, verdict.measured);
+            tracing::debug!(nap, hold, ?probe, "request coalescing probed");
+        }
     }
-}
-
-/// Whether epoch `n` of a probe naps: without, with, with, without, so that a steady
-/// drift in cost weighs on both sides alike.
-fn probe_epoch_naps(n: u32) -> bool {
-    n == 1 || n == 2
 }
 
 /// Sleeps for [`NAP`]. The thread's timer slack is set to 1 µs first (once per thread):
@@ -336,6 +291,7 @@ pub fn nap() {
 
 #[cfg(test)]
 mod tests {
+    use super::super::probe::Phase;
     use super::*;
 
     fn totals(wall_us: u64, cpu_us: u64, requests: u64) -> Totals {
@@ -426,8 +382,12 @@ mod tests {
         assert_eq!(probe(&mut c, &mut at, 3), [false, true, true, false]);
         let mut holds = Vec::new();
         for _ in 0..6 {
-            let Phase::Holding { nap, epochs_left } = c.phase else {
-                panic!("{:?}", c.phase)
+            let Phase::Holding {
+                alternative: nap,
+                epochs_left,
+            } = c.cycle.phase()
+            else {
+                panic!("{:?}", c.cycle.phase())
             };
             assert!(nap);
             holds.push(epochs_left);
@@ -435,7 +395,7 @@ mod tests {
                 assert!(c.napping());
                 epoch(&mut c, &mut at, 6, 3, EPOCH_REQUESTS);
             }
-            assert_eq!(c.phase, Phase::Probing(0));
+            assert_eq!(c.cycle.phase(), Phase::Probing(0));
             probe(&mut c, &mut at, 3);
         }
         assert_eq!(holds, [8, 16, 32, 64, 128, 128]);
@@ -445,9 +405,9 @@ mod tests {
         }
         probe(&mut c, &mut at, 6);
         assert_eq!(
-            c.phase,
+            c.cycle.phase(),
             Phase::Holding {
-                nap: false,
+                alternative: false,
                 epochs_left: MIN_HOLD_EPOCHS
             }
         );
@@ -474,21 +434,24 @@ mod tests {
             epoch(&mut c, &mut at, 6, cpu as u64, EPOCH_REQUESTS);
             cpu *= 0.8;
         }
-        assert!(matches!(c.phase, Phase::Holding { nap: false, .. }));
+        assert!(matches!(
+            c.cycle.phase(),
+            Phase::Holding {
+                alternative: false,
+                ..
+            }
+        ));
     }
 
     #[test]
     fn another_connection_stops_naps_and_restarts_the_probe() {
         let mut c = Coalesce {
-            phase: Phase::Holding {
-                nap: true,
-                epochs_left: MAX_HOLD_EPOCHS,
-            },
+            cycle: Probe::new(MIN_HOLD_EPOCHS, MAX_HOLD_EPOCHS).holding(true, MAX_HOLD_EPOCHS),
             ..Coalesce::default()
         };
         assert!(c.replied(1));
         assert!(!c.replied(2), "another connection shares the workers");
-        assert_eq!(c.phase, Phase::Probing(0));
+        assert_eq!(c.cycle.phase(), Phase::Probing(0));
         assert!(!c.replied(1), "the probe starts with an epoch without naps");
     }
 

@@ -10,6 +10,7 @@ pub mod handshake;
 mod idle_spin;
 mod in_flight;
 pub mod pipeline;
+mod probe;
 mod splice_probe;
 pub mod validate;
 

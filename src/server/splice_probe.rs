@@ -10,7 +10,8 @@
 //! than splicing at every size from 64 KiB to 32 MiB; against nbd-load, whose data lands
 //! at positions that move with each reply, splicing read 3.4× faster, and it costs the
 //! server a third of the CPU (`bench/RESULTS.md`, session 39). The server cannot see the
-//! client's buffers, so it measures, as request coalescing does (`super::coalesce`).
+//! client's buffers, so it measures, as request coalescing does (`super::coalesce`), in
+//! the cycle the two share (`super::probe`).
 //!
 //! A probe runs four epochs: splicing, copying, copying, splicing, so that a steady drift
 //! weighs on both sides alike. An epoch lets [`SETTLE_READS`] large reads pass, then
@@ -21,6 +22,8 @@
 
 use std::time::Instant;
 
+use super::probe::{Probe, PROBE_EPOCHS};
+
 /// Reads of at least this many bytes count: smaller ones are never spliced.
 const LARGE_READ: u32 = crate::backend::splice::SPLICE_MIN as u32;
 /// Large reads at the start of an epoch that are not measured: the client sends them as
@@ -30,8 +33,6 @@ const SETTLE_READS: u32 = 8;
 const EPOCH_READS: u32 = 16;
 /// Bytes of large reads measured per epoch, at least.
 const EPOCH_BYTES: u64 = 32 << 20;
-/// Epochs in a probe: splicing, copying, copying, splicing.
-const PROBE_EPOCHS: usize = 4;
 /// Each copying epoch must read this much faster than either splicing epoch.
 const COPY_MARGIN: f64 = 1.25;
 /// Epochs a first verdict holds before the next probe.
@@ -39,40 +40,26 @@ const MIN_HOLD_EPOCHS: u32 = 4;
 /// The longest hold, reached by doubling while probes agree.
 const MAX_HOLD_EPOCHS: u32 = 256;
 
-/// Where the connection is in its cycle of probing and holding.
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Phase {
-    /// Measuring epoch `n` of a probe.
-    Probing(usize),
-    /// Splicing or copying for `epochs_left` more epochs.
-    Holding { splice: bool, epochs_left: u32 },
-}
-
 /// One connection's choice between splicing and copying large cached reads.
 #[derive(Debug)]
 pub(super) struct SpliceProbe {
-    phase: Phase,
+    /// The probe's cycle; its alternative is copying. Each epoch measures bytes a second.
+    cycle: Probe<f64>,
     /// Large reads in the current epoch so far, settling ones included.
     epoch_reads: u32,
     /// When the current epoch's last settling read came: its measured span starts there.
     epoch_start: Option<Instant>,
     /// Bytes of the measured reads.
     epoch_bytes: u64,
-    /// Bytes a second of each epoch of the current probe.
-    rates: [f64; PROBE_EPOCHS],
-    /// The last verdict and how long it held.
-    last_verdict: Option<(bool, u32)>,
 }
 
 impl Default for SpliceProbe {
     fn default() -> Self {
         SpliceProbe {
-            phase: Phase::Probing(0),
+            cycle: Probe::new(MIN_HOLD_EPOCHS, MAX_HOLD_EPOCHS),
             epoch_reads: 0,
             epoch_start: None,
             epoch_bytes: 0,
-            rates: [0.0; PROBE_EPOCHS],
-            last_verdict: None,
         }
     }
 }
@@ -80,10 +67,7 @@ impl Default for SpliceProbe {
 impl SpliceProbe {
     /// Whether large cached reads are spliced now.
     pub(super) fn splicing(&self) -> bool {
-        match self.phase {
-            Phase::Probing(n) => probe_epoch_splices(n),
-            Phase::Holding { splice, .. } => splice,
-        }
+        !self.cycle.alternative()
     }
 
     /// A read of `length` bytes was parsed; only large ones count. `clock` tells the time,
@@ -115,40 +99,11 @@ impl SpliceProbe {
     }
 
     fn end_epoch(&mut self, rate: f64) {
-        self.phase = match self.phase {
-            Phase::Probing(n) => {
-                self.rates[n] = rate;
-                if n + 1 < PROBE_EPOCHS {
-                    Phase::Probing(n + 1)
-                } else {
-                    let splice = !copying_pays(&self.rates);
-                    let hold = match self.last_verdict {
-                        Some((last, held)) if last == splice => (held * 2).min(MAX_HOLD_EPOCHS),
-                        _ => MIN_HOLD_EPOCHS,
-                    };
-                    tracing::debug!(splice, hold, rates = ?self.rates, "splice probed");
-                    self.last_verdict = Some((splice, hold));
-                    Phase::Holding {
-                        splice,
-                        epochs_left: hold,
-                    }
-                }
-            }
-            Phase::Holding { epochs_left: 0, .. } => Phase::Probing(0),
-            Phase::Holding {
-                splice,
-                epochs_left,
-            } => Phase::Holding {
-                splice,
-                epochs_left: epochs_left - 1,
-            },
-        };
+        if let Some(verdict) = self.cycle.end_epoch(rate, copying_pays) {
+            let (splice, hold, rates) = (!verdict.alternative, verdict.hold, verdict.measured);
+            tracing::debug!(splice, hold, ?rates, "splice probed");
+        }
     }
-}
-
-/// Whether epoch `n` of a probe splices: splicing, copying, copying, splicing.
-fn probe_epoch_splices(n: usize) -> bool {
-    n == 0 || n == PROBE_EPOCHS - 1
 }
 
 /// Whether a probe's copying epochs each read faster than both of its splicing epochs by
@@ -160,6 +115,7 @@ fn copying_pays(rates: &[f64; PROBE_EPOCHS]) -> bool {
 
 #[cfg(test)]
 mod tests {
+    use super::super::probe::Phase;
     use super::*;
     use std::time::Duration;
 
@@ -184,7 +140,7 @@ mod tests {
         for _ in 0..100_000 {
             probe.read(LARGE_READ - 1, || now);
         }
-        assert_eq!(probe.phase, Phase::Probing(0));
+        assert_eq!(probe.cycle.phase(), Phase::Probing(0));
         assert_eq!((probe.epoch_reads, probe.epoch_bytes), (0, 0));
     }
 
@@ -200,16 +156,16 @@ mod tests {
         }
         assert!(!probe.splicing());
         assert_eq!(
-            probe.phase,
+            probe.cycle.phase(),
             Phase::Holding {
-                splice: false,
+                alternative: true,
                 epochs_left: MIN_HOLD_EPOCHS
             }
         );
         for _ in 0..=MIN_HOLD_EPOCHS {
             epoch(&mut probe, &mut clock, 1.0);
         }
-        assert_eq!(probe.phase, Phase::Probing(0));
+        assert_eq!(probe.cycle.phase(), Phase::Probing(0));
         assert!(probe.splicing());
     }
 
@@ -237,13 +193,13 @@ mod tests {
                 epoch(&mut probe, &mut clock, 1.0);
             }
             let Phase::Holding {
-                splice,
+                alternative,
                 epochs_left,
-            } = probe.phase
+            } = probe.cycle.phase()
             else {
-                panic!("not holding after a probe: {:?}", probe.phase);
+                panic!("not holding after a probe: {:?}", probe.cycle.phase());
             };
-            assert!(splice, "level rates keep splicing");
+            assert!(!alternative, "level rates keep splicing");
             holds.push(epochs_left);
             for _ in 0..=epochs_left {
                 epoch(&mut probe, &mut clock, 1.0);

@@ -58,6 +58,13 @@ pub(super) enum SpinOutcome {
 /// few tens of microseconds after the last reply catches the next request without the
 /// second wake-up: 4 KiB reads at iodepth 1 went from 53–59 µs to 24–26 µs.
 ///
+/// Moving the connection's thread to the client's CPU (which `SO_INCOMING_CPU` names on
+/// loopback) would save both wake-ups, and with both pinned by hand it did (29k reads a
+/// second at 17 µs of server CPU each, against 20k at 42 µs, on the AMD VM of session
+/// 42). But with only the server pinned the rate fell to 8k: the scheduler wakes the
+/// unpinned client on the idle CPU, away from the server, so a server that followed the
+/// client would chase it (`bench/RESULTS.md`, session 42).
+///
 /// The same holds at iodepth 4 to 16: the server answers everything it has, sleeps, and
 /// is woken when the client, having taken in the replies, sends again; by then most of the
 /// client's next requests have arrived, so the two sides take turns and the machine idles

@@ -291,8 +291,8 @@ pub fn nap() {
 
 #[cfg(test)]
 mod tests {
-    use super::super::probe::Phase;
     use super::*;
+    use crate::server::probe::Phase;
 
     fn totals(wall_us: u64, cpu_us: u64, requests: u64) -> Totals {
         Totals {

@@ -115,8 +115,8 @@ fn copying_pays(rates: &[f64; PROBE_EPOCHS]) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::super::probe::Phase;
     use super::*;
+    use crate::server::probe::Phase;
     use std::time::Duration;
 
     /// Feeds one epoch of 1 MiB reads taking `seconds` in all, from `*clock` on.

@@ -1429,8 +1429,7 @@ mod tests {
                     Box::pin(ring.write(&file, u64::from(i) * 4096, data, 0))
                 })
                 .collect();
-            let waker = futures_util::task::noop_waker();
-            let mut cx = std::task::Context::from_waker(&waker);
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
             plugged(|| {
                 // A nested plug does not end the outer one.
                 plugged(|| {
@@ -1490,8 +1489,7 @@ mod tests {
         // and take the eventfd's count first.
         let runtime = current_thread();
         let _entered = runtime.enter();
-        let waker = futures_util::task::noop_waker();
-        let mut cx = std::task::Context::from_waker(&waker);
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
         let mut collected_by_submitter = 0;
         for round in 0..20u64 {
             let _ = eventfd_signals(&ring);
@@ -1592,8 +1590,7 @@ mod tests {
         // A current-thread runtime that is never driven: its reaper task cannot run.
         let runtime = current_thread();
         let _entered = runtime.enter();
-        let waker = futures_util::task::noop_waker();
-        let mut cx = std::task::Context::from_waker(&waker);
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
         let mut caught_pending = 0;
         for _ in 0..20 {
             // An fsync runs on an io-wq worker, so it is usually still in flight when

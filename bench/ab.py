@@ -7,9 +7,11 @@ table and writes nothing into the repository.
     /usr/bin/python3 bench/ab.py --variant new=target/release/netblk --variant old=/tmp/netblk-old \\
         --backends mem --with nbdkit-mem --only curve-write-256k --rounds 3
 
-    # one binary with and without an environment setting (NETBLK_ prefix added)
-    /usr/bin/python3 bench/ab.py --variant base=target/release/netblk \\
-        --variant nap=target/release/netblk:COALESCE_NAP_US=40 --only randread-qd32
+    # one binary with and without an environment setting (NETBLK_ prefix added); the
+    # server reads none for tuning, so this is for a scratch build that does (here one that
+    # reads NETBLK_NAP_US, as session 43's did to try nap lengths)
+    /usr/bin/python3 bench/ab.py --variant base=/tmp/netblk-scratch \\
+        --variant nap=/tmp/netblk-scratch:NAP_US=150 --only randread-qd32
 
     # one binary with and without a command-line option
     /usr/bin/python3 bench/ab.py --variant cubic=target/release/netblk \\

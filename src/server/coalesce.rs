@@ -562,15 +562,15 @@ mod tests {
         assert_eq!((c.rung, c.candidate), (2, 3));
         c.cycle.restart();
         c.candidate = 1;
-        // Rung 2 now costs more CPU than rung 1 in both pairs: down, and on down at once.
+        // Rung 2 now costs more CPU than rung 1 in both pairs: down, and a probe further down
+        // starts at once.
         assert_eq!(
             probe(&mut c, &mut at, |rung| (6, if rung == 2 { 7 } else { 6 })),
             [2, 1, 1, 2]
         );
         assert_eq!((c.rung, c.candidate), (1, 0));
         assert_eq!(c.cycle.phase(), Phase::Probing(0));
-        // So does a rate lost in both pairs.
-        c.candidate = 0;
+        // So does a rate lost in both pairs (the probe of rung 1 against none, next).
         probe(&mut c, &mut at, |rung| (if rung == 1 { 7 } else { 6 }, 4));
         assert_eq!(c.rung, 0);
     }

@@ -155,7 +155,7 @@ impl Totals {
 /// failed a probe. A real loss (iodepth 8, where naps halved the rate) shows in both.
 fn napping_pays(probe: &[Totals; PROBE_EPOCHS]) -> bool {
     let [first, second, third, fourth] = *probe;
-    if probe.iter().any(|t| t.requests == 0 || t.wall == 0) {
+    if !every_epoch_measured(probe) {
         return false;
     }
     let with = second.plus(third);
@@ -166,6 +166,12 @@ fn napping_pays(probe: &[Totals; PROBE_EPOCHS]) -> bool {
     !(loses_rate(first, second) && loses_rate(fourth, third))
         && saves(first, second)
         && saves(fourth, third)
+}
+
+/// Whether every epoch of a probe served requests over some time: one that did not
+/// measured nothing, and no verdict can rest on it.
+fn every_epoch_measured(probe: &[Totals; PROBE_EPOCHS]) -> bool {
+    probe.iter().all(|t| t.requests > 0 && t.wall > 0)
 }
 
 /// CPU time per request of an epoch.
@@ -188,7 +194,7 @@ fn loses_rate(before: Totals, after: Totals) -> bool {
 /// (measured: a connection at iodepth 32 went up and down between 20 and 80 µs).
 fn longer_naps_hurt(probe: &[Totals; PROBE_EPOCHS]) -> bool {
     let [first, second, third, fourth] = *probe;
-    if probe.iter().any(|t| t.requests == 0 || t.wall == 0) {
+    if !every_epoch_measured(probe) {
         return false;
     }
     (loses_rate(second, first) && loses_rate(third, fourth))

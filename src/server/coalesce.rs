@@ -50,7 +50,10 @@ use bytes::BytesMut;
 use rustix::io::Errno;
 use rustix::net::RecvFlags;
 
-use super::probe::{Probe, PROBE_EPOCHS};
+use super::probe::{Probe, BLOCK_EPOCHS};
+
+/// Epochs in a probe: one block.
+const PROBE_EPOCHS: usize = BLOCK_EPOCHS;
 
 /// How long the shortest nap lasts: the first rung above none.
 pub const NAP: Duration = Duration::from_micros(20);
@@ -227,7 +230,7 @@ fn neighbour(rung: usize, upward: bool) -> usize {
 /// One connection's coalescing state.
 pub struct Coalesce {
     /// The probe's cycle; its alternative is the nap rung `candidate`.
-    cycle: Probe<Totals>,
+    cycle: Probe<Totals, PROBE_EPOCHS>,
     /// The rung of the nap ladder chosen so far (0: no naps).
     rung: usize,
     /// The rung the current or next probe tries against `rung`.

@@ -22,7 +22,10 @@
 
 use std::time::Instant;
 
-use super::probe::{Probe, PROBE_EPOCHS};
+use super::probe::{Probe, BLOCK_EPOCHS};
+
+/// Epochs in a probe: one block.
+const PROBE_EPOCHS: usize = BLOCK_EPOCHS;
 
 /// Reads of at least this many bytes count: smaller ones are never spliced.
 const LARGE_READ: u32 = crate::backend::splice::SPLICE_MIN as u32;
@@ -44,7 +47,7 @@ const MAX_HOLD_EPOCHS: u32 = 256;
 #[derive(Debug)]
 pub(super) struct SpliceProbe {
     /// The probe's cycle; its alternative is copying. Each epoch measures bytes a second.
-    cycle: Probe<f64>,
+    cycle: Probe<f64, PROBE_EPOCHS>,
     /// Large reads in the current epoch so far, settling ones included.
     epoch_reads: u32,
     /// When the current epoch's last settling read came: its measured span starts there.

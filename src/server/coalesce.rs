@@ -15,9 +15,9 @@
 //! measures: it alternates epochs with and without naps ([`Coalesce::replied`]) and naps
 //! only while napping saves CPU per request without losing throughput.
 //!
-//! The probe's epochs run without, with, with, without naps, and napping must win both
-//! pairs: a workload that grows cheaper as it warms up would otherwise favour whichever
-//! epochs came later. That happened with 4 KiB random writes at iodepth 32 to a file
+//! Each block of a probe's epochs runs without, with, with, without naps, and the sides
+//! are compared by their median epochs: a workload that grows cheaper as it warms up would
+//! otherwise favour whichever epochs came later. That happened with 4 KiB random writes at iodepth 32 to a file
 //! whose page cache was clean: the first probe saw 46 µs of CPU per write and later ones
 //! 24, a plain alternation chose naps, and naps cost those writes about a third of their
 //! rate for the whole hold (naps forced on and off in alternating runs: 24–39k/s with,
@@ -30,7 +30,9 @@
 //! one of 20 µs took 32 µs of CPU and 64 µs of wall time, so a nap there gathered few requests
 //! for a large fixed price. Fixed naps of 20, 60 and 150 µs at iodepth 32 on that VM: server
 //! CPU per 4 KiB read 10.2, 8.7 and 6.0 µs (memory), 11.6, 9.2 and 8.3 (file), at the same
-//! rate within noise. So the lengths form a ladder ([`NAP_RUNGS`], no nap at the bottom, each
+//! rate within noise; alternated every 2 s within one run (session 44), 80 µs took a quarter
+//! to a third less CPU per read than 20 µs at the same rate, and 320 µs lost 12–28% of the
+//! rate. So the lengths form a ladder ([`NAP_RUNGS`], no nap at the bottom, each
 //! rung four times as long as the one below) and each probe compares the current rung with a
 //! neighbour: a longer nap is taken when it pays as a nap pays against none (the same rate,
 //! less CPU), and a shorter one when the longer did harm (lost rate or cost more CPU).
@@ -50,10 +52,7 @@ use bytes::BytesMut;
 use rustix::io::Errno;
 use rustix::net::RecvFlags;
 
-use super::probe::{Probe, BLOCK_EPOCHS};
-
-/// Epochs in a probe: one block.
-const PROBE_EPOCHS: usize = BLOCK_EPOCHS;
+use super::probe::{takes_alternative, Probe, BLOCK_EPOCHS};
 
 /// How long the shortest nap lasts: the first rung above none.
 pub const NAP: Duration = Duration::from_micros(20);
@@ -69,12 +68,23 @@ fn nap_length(rung: usize) -> Duration {
         _ => NAP * (1 << (2 * (rung - 1))),
     }
 }
-/// Requests per measuring epoch.
+/// Requests per measuring epoch ...
 const EPOCH_REQUESTS: u32 = 1024;
+/// ... or fewer, when the epoch has lasted this long: 1,024 requests take 15 ms of 4 KiB
+/// reads at iodepth 32 on the VM of session 43, but a third of a second of 1 MiB reads, and
+/// a probe of such epochs took the whole of a 4 s run (1 MiB reads at iodepth 8 from memory
+/// lost a fifth of their rate against probes a quarter as long: 2,839 against 3,575 a
+/// second, session 45).
+const EPOCH_LONGEST: Duration = Duration::from_millis(20);
+/// Blocks of four epochs in a probe, so that each side's median rests on eight epochs
+/// ([`napping_pays`]).
+const PROBE_BLOCKS: usize = 4;
+/// Epochs in a probe.
+const PROBE_EPOCHS: usize = PROBE_BLOCKS * BLOCK_EPOCHS;
 /// Epochs a new verdict holds before the next probe ...
-const MIN_HOLD_EPOCHS: u32 = 8;
+const MIN_HOLD_EPOCHS: u32 = 16;
 /// ... doubling each time a probe repeats it, up to this many.
-const MAX_HOLD_EPOCHS: u32 = 128;
+const MAX_HOLD_EPOCHS: u32 = 256;
 /// A round of at least this many requests means the client streams them: the next
 /// gather naps without first receiving to see whether requests wait.
 ///
@@ -90,9 +100,20 @@ const SCRATCH: usize = 64 * 1024;
 /// Napping epochs with fewer naps than one per this many requests did not nap.
 const MAX_REQUESTS_PER_NAP: u64 = 32;
 /// Napping is kept when it loses at most this share of the request rate ...
-const MAX_RATE_LOSS: f64 = 0.03;
+///
+/// The losses to catch are large: naps halved the rate at iodepth 8, cost 4 KiB writes to a
+/// clean page cache a third, and 320 µs naps at iodepth 32 cost 12–28% against 80 µs
+/// (session 44). A median epoch of eight still varies by several percent on the VM of
+/// session 43, so a tighter bound turns noise into a lost verdict.
+const MAX_RATE_LOSS: f64 = 0.05;
 /// ... and saves at least this share of the CPU time per request.
 const MIN_CPU_SAVING: f64 = 0.10;
+/// A longer nap already taken is left when it loses more than this share of the rate
+/// ([`longer_naps_hurt`]): twice [`MAX_RATE_LOSS`], so that a rate within the noise neither
+/// takes a rung nor leaves it. Measured with one bound for both: a connection at 80 µs
+/// naps, taking 7.6 µs of CPU per read against 10.8 at 20 µs, went down to 20 µs on a
+/// median rate 5.03% lower (64.1k against 67.4k a second).
+const MAX_RATE_LOSS_KEPT: f64 = 2.0 * MAX_RATE_LOSS;
 
 /// Wall-clock and CPU time, in nanoseconds, at one instant.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -104,13 +125,26 @@ pub struct Clocks {
 impl Clocks {
     /// Now: monotonic wall time and the process's CPU time.
     pub fn now() -> Clocks {
-        use rustix::time::{clock_gettime, ClockId};
-        let ns = |t: rustix::time::Timespec| t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64;
         Clocks {
-            wall: ns(clock_gettime(ClockId::Monotonic)),
-            cpu: ns(clock_gettime(ClockId::ProcessCPUTime)),
+            wall: Clocks::wall_now(),
+            cpu: nanoseconds(rustix::time::clock_gettime(
+                rustix::time::ClockId::ProcessCPUTime,
+            )),
         }
     }
+
+    /// Monotonic wall time alone (read without a system call where the clock source
+    /// allows, unlike the process's CPU time).
+    fn wall_now() -> u64 {
+        nanoseconds(rustix::time::clock_gettime(
+            rustix::time::ClockId::Monotonic,
+        ))
+    }
+}
+
+/// A time as nanoseconds.
+fn nanoseconds(t: rustix::time::Timespec) -> u64 {
+    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
 }
 
 /// What a set of epochs took.
@@ -132,43 +166,69 @@ impl Totals {
             naps: u64::from(naps),
         }
     }
+}
 
-    fn plus(self, other: Totals) -> Totals {
-        Totals {
-            wall: self.wall + other.wall,
-            cpu: self.cpu + other.cpu,
-            requests: self.requests + other.requests,
-            naps: self.naps + other.naps,
-        }
+/// What the epochs on one side of a probe measured: the median epoch's CPU time per request
+/// and request rate, and the sums of requests and naps.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Side {
+    /// Nanoseconds of CPU per request.
+    cpu: f64,
+    /// Requests per nanosecond.
+    rate: f64,
+    requests: u64,
+    naps: u64,
+}
+
+/// The side of `probe` that ran at the candidate rung (`candidate`) or at the current one.
+fn side(probe: &[Totals; PROBE_EPOCHS], candidate: bool) -> Side {
+    let epochs: Vec<Totals> = (0..PROBE_EPOCHS)
+        .filter(|&n| takes_alternative(n) == candidate)
+        .map(|n| probe[n])
+        .collect();
+    Side {
+        cpu: median(epochs.iter().map(|&t| cpu(t))),
+        rate: median(epochs.iter().map(|&t| rate(t))),
+        requests: epochs.iter().map(|t| t.requests).sum(),
+        naps: epochs.iter().map(|t| t.naps).sum(),
     }
 }
 
-/// Whether napping paid in a probe whose epochs ran without, with, with and without
-/// naps: naps happened (at least one per [`MAX_REQUESTS_PER_NAP`] requests; at iodepth 1
-/// there is never anything to nap for, and a difference between the epochs is noise),
-/// the napping epochs did not both lose more than [`MAX_RATE_LOSS`] of the request rate
-/// against their neighbours without naps, and each saved at least [`MIN_CPU_SAVING`] of
-/// the CPU per request against its neighbour.
+/// The median of `values` (the mean of the middle two when their number is even).
+fn median(values: impl Iterator<Item = f64>) -> f64 {
+    let mut values: Vec<f64> = values.collect();
+    values.sort_by(f64::total_cmp);
+    let middle = values.len() / 2;
+    match values.len() {
+        0 => 0.0,
+        n if n % 2 == 0 => (values[middle - 1] + values[middle]) / 2.0,
+        _ => values[middle],
+    }
+}
+
+/// Whether a longer nap paid in a probe whose blocks ran the shorter nap (or none), the
+/// longer, the longer and the shorter: the longer naps happened (at least one per
+/// [`MAX_REQUESTS_PER_NAP`] requests; at iodepth 1 there is never anything to nap for, and
+/// a difference between the epochs is noise), their median epoch lost at most
+/// [`MAX_RATE_LOSS`] of the rate of the shorter naps' median epoch, and took at least
+/// [`MIN_CPU_SAVING`] less CPU per request.
 ///
-/// Both are judged pair by pair, so that a drift (a warm-up) cannot pass for a saving or a
-/// loss: it would favour one pair and not the other. A rate loss must show in both pairs
-/// because one epoch's rate varies by ±10% on its own on a quiet machine (measured at
-/// iodepth 32, 5 ms epochs) and far more on the VM of session 43, where one epoch of 1024
-/// requests took 16 to 33 ms at the same nap length; judged on the sums, one such epoch
-/// failed a probe. A real loss (iodepth 8, where naps halved the rate) shows in both.
+/// Medians, because one epoch's time varies by up to 2× at the same nap length on the VM
+/// of session 43 (16 to 33 ms for 1024 requests): in a probe of four epochs judged pair by
+/// pair, such an epoch decided the verdict, and connections stayed at 20 µs naps that
+/// took a third more CPU per read than 80 µs at the same rate (session 44). A steady drift
+/// (a warm-up) weighs on both sides alike, because every block runs the two in the order
+/// shorter, longer, longer, shorter.
 fn napping_pays(probe: &[Totals; PROBE_EPOCHS]) -> bool {
-    let [first, second, third, fourth] = *probe;
     if !every_epoch_measured(probe) {
         return false;
     }
-    let with = second.plus(third);
-    if with.naps * MAX_REQUESTS_PER_NAP < with.requests {
+    let (shorter, longer) = (side(probe, false), side(probe, true));
+    if longer.naps * MAX_REQUESTS_PER_NAP < longer.requests {
         return false;
     }
-    let saves = |without: Totals, with: Totals| cpu(with) <= cpu(without) * (1.0 - MIN_CPU_SAVING);
-    !(loses_rate(first, second) && loses_rate(fourth, third))
-        && saves(first, second)
-        && saves(fourth, third)
+    !loses_rate(shorter, longer, MAX_RATE_LOSS)
+        && longer.cpu <= shorter.cpu * (1.0 - MIN_CPU_SAVING)
 }
 
 /// Whether every epoch of a probe served requests over some time: one that did not
@@ -182,26 +242,29 @@ fn cpu(t: Totals) -> f64 {
     t.cpu as f64 / t.requests as f64
 }
 
-/// Whether epoch `after` served requests more than [`MAX_RATE_LOSS`] slower than `before`.
-fn loses_rate(before: Totals, after: Totals) -> bool {
-    let rate = |t: Totals| t.requests as f64 / t.wall as f64;
-    rate(after) < rate(before) * (1.0 - MAX_RATE_LOSS)
+/// Requests per nanosecond of an epoch.
+fn rate(t: Totals) -> f64 {
+    t.requests as f64 / t.wall as f64
 }
 
-/// Whether the longer naps of a probe did harm, in epochs that ran the longer naps first
-/// and last and the shorter in between: each lost more than [`MAX_RATE_LOSS`] of the rate
-/// or each cost more CPU per request than its neighbour with the shorter naps.
+/// Whether side `after` served requests more than `share` of the rate slower than `before`.
+fn loses_rate(before: Side, after: Side, share: f64) -> bool {
+    after.rate < before.rate * (1.0 - share)
+}
+
+/// Whether the longer naps of a probe did harm, in blocks that ran the longer naps first
+/// and last and the shorter in between: their median epoch lost more than
+/// [`MAX_RATE_LOSS_KEPT`] of the rate or cost more CPU per request than the shorter naps'.
 ///
 /// This is a weaker test than [`napping_pays`] on purpose: a rung climbed to because it
 /// saved 10% would otherwise be left again whenever one probe's noise hid the saving
 /// (measured: a connection at iodepth 32 went up and down between 20 and 80 µs).
 fn longer_naps_hurt(probe: &[Totals; PROBE_EPOCHS]) -> bool {
-    let [first, second, third, fourth] = *probe;
     if !every_epoch_measured(probe) {
         return false;
     }
-    (loses_rate(second, first) && loses_rate(third, fourth))
-        || (cpu(first) > cpu(second) && cpu(fourth) > cpu(third))
+    let (longer, shorter) = (side(probe, false), side(probe, true));
+    loses_rate(shorter, longer, MAX_RATE_LOSS_KEPT) || longer.cpu > shorter.cpu
 }
 
 /// Whether the probe's alternative, the nap rung `candidate`, should replace the current
@@ -296,10 +359,18 @@ impl Coalesce {
         if self.epoch_start.is_none() {
             self.epoch_start = Some(Clocks::now());
             self.epoch_requests = 0;
-        } else if self.epoch_requests >= EPOCH_REQUESTS {
+        } else if self.epoch_requests >= EPOCH_REQUESTS || self.epoch_outlasted() {
             self.end_epoch(Clocks::now());
         }
         self.napping()
+    }
+
+    /// Whether the current epoch has lasted [`EPOCH_LONGEST`].
+    fn epoch_outlasted(&self) -> bool {
+        let Some(start) = self.epoch_start else {
+            return false;
+        };
+        Clocks::wall_now().saturating_sub(start.wall) >= EPOCH_LONGEST.as_nanos() as u64
     }
 
     /// Reads what requests are waiting on `fd`, without the reactor; if there were some,
@@ -383,8 +454,14 @@ impl Coalesce {
         let (nap, next) = (nap_length(self.rung), nap_length(self.candidate));
         // A move holds for no epochs: the next probe starts at once.
         let hold = if verdict.alternative { 0 } else { verdict.hold };
-        let probe = verdict.measured;
-        tracing::debug!(?nap, ?next, hold, ?probe, "request coalescing probed");
+        // Median µs of CPU per request and thousands of requests a second, of the epochs at
+        // the rung before the verdict and at the candidate.
+        let medians = [
+            side(&verdict.measured, false),
+            side(&verdict.measured, true),
+        ]
+        .map(|s| (s.cpu / 1e3, s.rate * 1e6));
+        tracing::debug!(?nap, ?next, hold, ?medians, "request coalescing probed");
     }
 }
 
@@ -420,7 +497,25 @@ mod tests {
     /// Whether napping pays in a probe whose epochs without naps took `without` and those
     /// with naps `with`.
     fn pays(without: Totals, with: Totals) -> bool {
-        napping_pays(&[without, with, with, without])
+        napping_pays(&std::array::from_fn(|n| {
+            if takes_alternative(n) {
+                with
+            } else {
+                without
+            }
+        }))
+    }
+
+    /// The rungs of a probe's epochs that compare rung `usual` with `alternative`.
+    fn blocks(usual: usize, alternative: usize) -> Vec<usize> {
+        [usual, alternative, alternative, usual].repeat(PROBE_BLOCKS)
+    }
+
+    #[test]
+    fn the_median_of_an_even_number_is_the_mean_of_the_middle_two() {
+        assert_eq!(median([3.0, 1.0, 2.0].into_iter()), 2.0);
+        assert_eq!(median([4.0, 1.0, 9.0, 2.0].into_iter()), 3.0);
+        assert_eq!(median(std::iter::empty()), 0.0);
     }
 
     #[test]
@@ -516,13 +611,13 @@ mod tests {
         let (mut c, mut at) = started();
         assert_eq!(
             probe(&mut c, &mut at, only_the_first_nap_pays),
-            [0, 1, 1, 0]
+            blocks(0, 1)
         );
         // A move probes again at once, one rung further.
         assert_eq!((c.rung, c.cycle.phase()), (1, Phase::Probing(0)));
         assert_eq!(
             probe(&mut c, &mut at, only_the_first_nap_pays),
-            [1, 2, 2, 1]
+            blocks(1, 2)
         );
         let mut holds = Vec::new();
         let mut candidates = Vec::new();
@@ -542,7 +637,7 @@ mod tests {
             candidates.push(c.candidate);
             probe(&mut c, &mut at, only_the_first_nap_pays);
         }
-        assert_eq!(holds, [8, 16, 32, 64, 128, 128]);
+        assert_eq!(holds, [16, 32, 64, 128, 256, 256]);
         // Stays alternate between the rungs below and above.
         assert_eq!(candidates, [0, 2, 0, 2, 0, 2]);
         assert_eq!(c.rung, 1);
@@ -575,27 +670,76 @@ mod tests {
         // starts at once.
         assert_eq!(
             probe(&mut c, &mut at, |rung| (6, if rung == 2 { 7 } else { 6 })),
-            [2, 1, 1, 2]
+            blocks(2, 1)
         );
         assert_eq!((c.rung, c.candidate), (1, 0));
         assert_eq!(c.cycle.phase(), Phase::Probing(0));
-        // So does a rate lost in both pairs (the probe of rung 1 against none, next).
+        // So does a rate lost beyond the bound (the probe of rung 1 against none, next).
         probe(&mut c, &mut at, |rung| (if rung == 1 { 7 } else { 6 }, 4));
         assert_eq!(c.rung, 0);
     }
 
     #[test]
-    fn one_slow_epoch_does_not_fail_a_probe() {
+    fn a_rate_lost_within_the_noise_neither_takes_a_rung_nor_leaves_it() {
+        // The longer nap serves 7% fewer requests a second and takes half the CPU.
+        let cost = |longer: usize| {
+            move |rung: usize| {
+                if rung == longer {
+                    (107, 50)
+                } else {
+                    (100, 100)
+                }
+            }
+        };
+        let (mut c, mut at) = started();
+        (c.rung, c.candidate) = (1, 2);
+        c.cycle.restart();
+        probe(&mut c, &mut at, cost(2));
+        assert_eq!(c.rung, 1, "not taken: more than MAX_RATE_LOSS lost");
+        (c.rung, c.candidate) = (2, 1);
+        c.cycle.restart();
+        probe(&mut c, &mut at, cost(2));
+        assert_eq!(c.rung, 2, "not left: less than MAX_RATE_LOSS_KEPT lost");
+    }
+
+    #[test]
+    fn slow_epochs_do_not_fail_a_probe() {
         let (mut c, mut at) = started();
         let epochs = Cell::new(0);
-        // The second napping epoch takes twice as long, as one epoch in a few did on the
-        // VM of session 43 whatever the nap; the other pair shows no loss.
+        // Two of the eight napping epochs take twice as long, as one epoch in a few did on
+        // the VM of session 43 whatever the nap; the median napping epoch shows no loss.
         probe(&mut c, &mut at, |rung| {
             epochs.set(epochs.get() + 1);
-            let wall = if epochs.get() == 3 { 12 } else { 6 };
+            let wall = if [3, 10].contains(&epochs.get()) {
+                12
+            } else {
+                6
+            };
             (wall, if rung == 0 { 6 } else { 3 })
         });
         assert_eq!(c.rung, 1);
+    }
+
+    #[test]
+    fn epochs_that_vary_twofold_do_not_hide_a_quarter_saved() {
+        // Each epoch's wall and CPU time scaled by up to 2×, as on the VM of session 43,
+        // and the longer nap takes three quarters of the shorter's CPU (80 against 20 µs
+        // at iodepth 32, session 44). The four-epoch probe judged pair by pair missed it:
+        // with this noise, the second pair's shorter-nap epoch was the cheaper.
+        let noise = [
+            1.0, 1.1, 1.9, 1.0, 1.2, 1.0, 2.0, 1.1, 1.0, 1.8, 1.0, 1.3, 1.0, 1.0, 1.1, 1.9,
+        ];
+        let (mut c, mut at) = started();
+        (c.rung, c.candidate) = (1, 2);
+        c.cycle.restart();
+        let epochs = Cell::new(0);
+        probe(&mut c, &mut at, |rung| {
+            let scale = noise[epochs.get()];
+            epochs.set(epochs.get() + 1);
+            let cpu = if rung == 2 { 75.0 } else { 100.0 };
+            ((100.0 * scale) as u64, (cpu * scale) as u64)
+        });
+        assert_eq!(c.rung, 2);
     }
 
     #[test]
@@ -613,11 +757,11 @@ mod tests {
     #[test]
     fn a_workload_that_grows_cheaper_as_it_warms_up_does_not_look_like_naps_paying() {
         let (mut c, mut at) = started();
-        // Each epoch costs 20% less CPU than the one before, naps or not.
-        let mut cpu = 20.0_f64;
+        // Each epoch costs 10% less CPU than the one before, naps or not.
+        let mut cpu = 100.0_f64;
         for _ in 0..PROBE_EPOCHS {
-            epoch(&mut c, &mut at, 6, cpu as u64, EPOCH_REQUESTS);
-            cpu *= 0.8;
+            epoch(&mut c, &mut at, 60, cpu as u64, EPOCH_REQUESTS);
+            cpu *= 0.9;
         }
         assert!(matches!(
             c.cycle.phase(),
@@ -626,6 +770,23 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    #[test]
+    fn an_epoch_of_few_requests_ends_when_it_has_lasted_long_enough() {
+        let mut c = Coalesce::default();
+        assert!(!c.replied(1), "the first epoch starts, without naps");
+        c.request();
+        assert!(!c.replied(1));
+        assert_eq!(
+            c.cycle.phase(),
+            Phase::Probing(0),
+            "one request, no time: not yet"
+        );
+        std::thread::sleep(EPOCH_LONGEST);
+        c.request();
+        assert!(c.replied(1), "the probe's second epoch naps");
+        assert_eq!(c.cycle.phase(), Phase::Probing(1));
     }
 
     #[test]

@@ -656,7 +656,9 @@ impl Pipeline {
             };
             self.inbuf.advance(header_len);
             self.spin.request();
-            self.coalesce.request();
+            let moves_data = matches!(header.command, cmd::READ | cmd::WRITE);
+            self.coalesce
+                .request(if moves_data { header.length } else { 0 });
             self.after_large_payload =
                 header.payload_len(self.limits.style) >= u64::from(LARGE_PAYLOAD);
             if header.command == cmd::DISC {

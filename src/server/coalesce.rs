@@ -17,12 +17,12 @@
 //!
 //! Each block of a probe's epochs runs without, with, with, without naps, and the sides
 //! are compared by their median epochs: a workload that grows cheaper as it warms up would
-//! otherwise favour whichever epochs came later. That happened with 4 KiB random writes at iodepth 32 to a file
-//! whose page cache was clean: the first probe saw 46 µs of CPU per write and later ones
-//! 24, a plain alternation chose naps, and naps cost those writes about a third of their
-//! rate for the whole hold (naps forced on and off in alternating runs: 24–39k/s with,
-//! 37–48k/s without). A verdict therefore holds briefly at first and longer each time a
-//! probe repeats it.
+//! otherwise favour whichever epochs came later. That happened with 4 KiB random writes at
+//! iodepth 32 to a file whose page cache was clean: the first probe saw 46 µs of CPU per
+//! write and later ones 24, a plain alternation chose naps, and naps cost those writes
+//! about a third of their rate for the whole hold (naps forced on and off in alternating
+//! runs: 24–39k/s with, 37–48k/s without). A verdict therefore holds briefly at first and
+//! longer each time a probe repeats it.
 //!
 //! How long a nap lasts is measured too. A nap's cost is mostly the sleep and the wake-up,
 //! whatever its length, and that cost differs by an order of magnitude between machines: on

@@ -791,6 +791,13 @@ mod tests {
     fn an_epoch_of_few_requests_ends_when_it_has_lasted_long_enough() {
         let mut c = Coalesce::default();
         assert!(!c.replied(1), "the first epoch starts, without naps");
+        let started = c.epoch_start.expect("an epoch started");
+        // The epoch is moved to start an hour from now, so that no pause of this thread on a
+        // loaded machine can make it last long enough; then moved back past the limit.
+        c.epoch_start = Some(Clocks {
+            wall: started.wall + 3_600_000_000_000,
+            ..started
+        });
         c.request(4096);
         assert!(!c.replied(1));
         assert_eq!(
@@ -798,7 +805,10 @@ mod tests {
             Phase::Probing(0),
             "one request, no time: not yet"
         );
-        std::thread::sleep(EPOCH_LONGEST);
+        c.epoch_start = Some(Clocks {
+            wall: started.wall.saturating_sub(EPOCH_LONGEST.as_nanos() as u64),
+            ..started
+        });
         c.request(4096);
         assert!(c.replied(1), "the probe's second epoch naps");
         assert_eq!(c.cycle.phase(), Phase::Probing(1));

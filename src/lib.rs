@@ -20,9 +20,10 @@
 //!
 //! The `netblk` binary (`src/main.rs`) is only the command line around [`server::serve`].
 
-// `unsafe` is allowed in three places only: `backend::uring`, where the kernel borrows
+// `unsafe` is allowed in four places only: `backend::uring`, where the kernel borrows
 // buffers; `backend::splice`, for the one system call (`cachestat`) with no safe binding;
-// and `backend::page_pool`, which maps memory for huge pages and hands out slices of it.
+// `backend::page_pool`, which maps memory for huge pages and hands out slices of it; and
+// `server::coalesce`'s receive, which reads into a buffer's spare room without a copy.
 #![deny(unsafe_code)]
 
 pub mod backend;

@@ -104,7 +104,7 @@ const NAP_WITHOUT_LOOKING: u32 = 8;
 /// with this bound, 3,354 against 3,271 without it and 3,519 for the build before.
 const LARGE_REQUEST: u64 = 256 * 1024;
 /// Bytes one receive of [`Coalesce::gather`] takes at most.
-const SCRATCH: usize = 64 * 1024;
+const RECEIVE_MOST: usize = 64 * 1024;
 /// Napping epochs with fewer naps than one per this many requests did not nap.
 const MAX_REQUESTS_PER_NAP: u64 = 32;
 /// Napping is kept when it loses at most this share of the request rate ...
@@ -311,8 +311,6 @@ pub struct Coalesce {
     epoch_start: Option<Clocks>,
     epoch_requests: u32,
     epoch_naps: u32,
-    /// Receive buffer for [`Coalesce::gather`], which reads past the reactor.
-    scratch: Vec<u8>,
     /// Requests parsed since every reply was last written.
     round_requests: u32,
     /// Bytes of data those requests read or write.
@@ -342,7 +340,6 @@ impl Default for Coalesce {
             epoch_start: None,
             epoch_requests: 0,
             epoch_naps: 0,
-            scratch: Vec::new(),
             round_requests: 0,
             round_bytes: 0,
             streaming: false,
@@ -392,25 +389,22 @@ impl Coalesce {
     /// naps so that those the client is still sending join them, and reads again. After a
     /// round of [`NAP_WITHOUT_LOOKING`] requests or more, naps first and reads once.
     pub fn gather(&mut self, fd: BorrowedFd<'_>, inbuf: &mut BytesMut) -> Gathered {
-        if self.scratch.is_empty() {
-            self.scratch = vec![0; SCRATCH];
-        }
         // After a long round requests are waiting for sure: no need to look first.
         let found_before = if self.streaming {
             false
         } else {
-            match self.receive(fd, inbuf) {
+            match Self::receive(fd, inbuf) {
                 // A full buffer is a round's work already (a large write's payload, which
                 // takes longer to arrive than a nap lasts): napping would only delay it. At
                 // 1 MiB writes, iodepth 8, naps cost a third of the rate.
-                Ok(SCRATCH) => return Gathered::Bytes,
+                Ok(RECEIVE_MOST) => return Gathered::Bytes,
                 Ok(_) => true,
                 Err(done) => return done,
             }
         };
         self.epoch_naps = self.epoch_naps.saturating_add(1);
         nap(nap_length(self.epoch_rung()));
-        match self.receive(fd, inbuf) {
+        match Self::receive(fd, inbuf) {
             Ok(_) => Gathered::Bytes,
             Err(Gathered::Nothing) if found_before => Gathered::Bytes,
             Err(done) => done,
@@ -419,11 +413,23 @@ impl Coalesce {
 
     /// Appends what waits on `fd` to `inbuf` and returns how many bytes that was, or
     /// [`Gathered::Nothing`], [`Gathered::Closed`] or [`Gathered::Failed`].
-    fn receive(&mut self, fd: BorrowedFd<'_>, inbuf: &mut BytesMut) -> Result<usize, Gathered> {
-        match rustix::net::recv(fd, &mut self.scratch, RecvFlags::DONTWAIT) {
-            Ok(0) => Err(Gathered::Closed),
-            Ok(n) => {
-                inbuf.extend_from_slice(&self.scratch[..n]);
+    ///
+    /// The bytes go straight into `inbuf`'s spare room: through a scratch buffer they were
+    /// copied once more, and a large write's payload gathered here is copied again into
+    /// the export after that. `perf` of fio 64 KiB sequential writes at iodepth 8 to the
+    /// memory export: 4% of the server's samples were that extra `memmove`.
+    #[allow(unsafe_code)]
+    fn receive(fd: BorrowedFd<'_>, inbuf: &mut BytesMut) -> Result<usize, Gathered> {
+        inbuf.reserve(RECEIVE_MOST);
+        let room = &mut inbuf.spare_capacity_mut()[..RECEIVE_MOST];
+        match rustix::net::recv_uninit(fd, room, RecvFlags::DONTWAIT) {
+            Ok(([], _)) => Err(Gathered::Closed),
+            Ok((received, _)) => {
+                let n = received.len();
+                // SAFETY: `recv_uninit` initialized the first `n` bytes of the spare room,
+                // which starts at the buffer's length, and `n` is at most the room's size,
+                // which `reserve` made available.
+                unsafe { inbuf.set_len(inbuf.len() + n) };
                 Ok(n)
             }
             Err(Errno::AGAIN) | Err(Errno::INTR) => Err(Gathered::Nothing),
@@ -929,14 +935,21 @@ mod tests {
         let (server, mut client) = std::os::unix::net::UnixStream::pair().unwrap();
         let mut c = Coalesce::default();
         let mut inbuf = BytesMut::new();
-        let payload = vec![7u8; SCRATCH + 100];
+        inbuf.extend_from_slice(b"kept");
+        let payload: Vec<u8> = (0..RECEIVE_MOST + 100).map(|i| (i % 251) as u8).collect();
         client.write_all(&payload).unwrap();
         assert!(matches!(
             c.gather(server.as_fd(), &mut inbuf),
             Gathered::Bytes
         ));
         assert_eq!(c.epoch_naps, 0, "a large write's payload is work enough");
-        assert_eq!(inbuf.len(), SCRATCH);
+        assert_eq!(inbuf.len(), 4 + RECEIVE_MOST);
+        assert_eq!(&inbuf[..4], b"kept", "bytes already buffered stay in front");
+        assert_eq!(
+            &inbuf[4..],
+            &payload[..RECEIVE_MOST],
+            "received in order, intact"
+        );
     }
 
     #[test]

@@ -119,15 +119,16 @@ const LARGE_PAYLOAD: u32 = 256 * 1024;
 const MAX_IOVECS: usize = 512;
 /// Most bytes handed to one vectored write (a slice that crosses the bound still goes
 /// whole). Without a bound, eight 1 MiB memory reads answered with simple replies went out
-/// in one `writev` of 8 MiB, and the client copying them out of its socket ran at 1.5–1.9
-/// GB/s with 87% of its CPU in `_copy_to_iter` (fio's structured replies, streamed in
-/// [`STREAM_PIECE`]s, ran at 3.4–4.2 from the same server). Measured with `ab.py`, 3 rounds,
-/// memory export, the load generator's sequential reads at iodepth 8, reads a second
-/// without the bound against with it: 256 KiB 7,290 (6,905–7,408) against 10,159
+/// in one `writev` of 8 MiB, and the client copying them out of its socket took 1,487–1,860
+/// replies a second with 87% of its CPU in `_copy_to_iter` (fio's structured replies,
+/// streamed in [`STREAM_PIECE`]s, 3,440 and 4,228 from the same server). Measured with
+/// `ab.py`, 3 rounds, the load generator's sequential reads at iodepth 8 from memory, reads
+/// a second without the bound against with it: 256 KiB 7,290 (6,905–7,408) against 10,159
 /// (8,493–10,418), 1 MiB 1,732 (1,663–1,744) against 2,787 (2,397–3,689), 4 MiB 565
-/// against 787 (but at 1,209 µs of server CPU a read against 791); the file export's
-/// (spliced) and fio's within noise. 128 KiB lost fio's 4 MiB reads 16%; 256 KiB gained
-/// less at 1 MiB.
+/// against 787 (but at 1,209 µs of server CPU a read against 791). fio's reads and the
+/// file export's (spliced) within noise, but for the load generator's 4 MiB file reads:
+/// 1,731 (1,726–1,828) against 1,546 (1,501–1,737). 128 KiB lost fio's 4 MiB memory reads
+/// 16%; 256 KiB gained less at 1 MiB.
 const WRITEV_MOST: usize = 512 * 1024;
 /// Slices of one vectored write kept on the stack: a header and a data piece for each of
 /// 32 replies (1 KiB); more spill to the heap.

@@ -23,7 +23,7 @@
 // `unsafe` is allowed in four places only: `backend::uring`, where the kernel borrows
 // buffers; `backend::splice`, for the one system call (`cachestat`) with no safe binding;
 // `backend::page_pool`, which maps memory for huge pages and hands out slices of it; and
-// `server::coalesce`'s receive, which reads into a buffer's spare room without a copy.
+// `server::receive`, which reads from a socket into a buffer's spare room without a copy.
 #![deny(unsafe_code)]
 
 pub mod backend;

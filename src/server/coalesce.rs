@@ -48,11 +48,9 @@ use std::num::NonZeroU64;
 use std::os::fd::BorrowedFd;
 use std::time::Duration;
 
-use bytes::BytesMut;
-use rustix::io::Errno;
-use rustix::net::RecvFlags;
-
 use super::probe::{takes_alternative, Probe, BLOCK_EPOCHS};
+use super::receive::{receive_into_spare_room, Received};
+use bytes::BytesMut;
 
 /// How long the shortest nap lasts: the first rung above none.
 pub const NAP: Duration = Duration::from_micros(20);
@@ -411,29 +409,15 @@ impl Coalesce {
         }
     }
 
-    /// Appends what waits on `fd` to `inbuf` and returns how many bytes that was, or
-    /// [`Gathered::Nothing`], [`Gathered::Closed`] or [`Gathered::Failed`].
-    ///
-    /// The bytes go straight into `inbuf`'s spare room: through a scratch buffer they were
-    /// copied once more, and a large write's payload gathered here is copied again into
-    /// the export after that. `perf` of fio 64 KiB sequential writes at iodepth 8 to the
-    /// memory export: 4% of the server's samples were that extra `memmove`.
-    #[allow(unsafe_code)]
+    /// Appends at most [`RECEIVE_MOST`] bytes of what waits on `fd` to `inbuf` and returns
+    /// how many that was, or [`Gathered::Nothing`], [`Gathered::Closed`] or
+    /// [`Gathered::Failed`].
     fn receive(fd: BorrowedFd<'_>, inbuf: &mut BytesMut) -> Result<usize, Gathered> {
-        inbuf.reserve(RECEIVE_MOST);
-        let room = &mut inbuf.spare_capacity_mut()[..RECEIVE_MOST];
-        match rustix::net::recv_uninit(fd, room, RecvFlags::DONTWAIT) {
-            Ok(([], _)) => Err(Gathered::Closed),
-            Ok((received, _)) => {
-                let n = received.len();
-                // SAFETY: `recv_uninit` initialized the first `n` bytes of the spare room,
-                // which starts at the buffer's length, and `n` is at most the room's size,
-                // which `reserve` made available.
-                unsafe { inbuf.set_len(inbuf.len() + n) };
-                Ok(n)
-            }
-            Err(Errno::AGAIN) | Err(Errno::INTR) => Err(Gathered::Nothing),
-            Err(e) => Err(Gathered::Failed(e.into())),
+        match receive_into_spare_room(fd, inbuf, RECEIVE_MOST) {
+            Ok(Received::Bytes(n)) => Ok(n),
+            Ok(Received::Nothing) => Err(Gathered::Nothing),
+            Ok(Received::Closed) => Err(Gathered::Closed),
+            Err(e) => Err(Gathered::Failed(e)),
         }
     }
 

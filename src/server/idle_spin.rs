@@ -6,11 +6,9 @@ use std::os::fd::BorrowedFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use bytes::BytesMut;
-use rustix::io::Errno;
-use rustix::net::RecvFlags;
-
+use super::receive::{receive_into_spare_room, Received};
 use crate::backend::Backend;
+use bytes::BytesMut;
 
 /// Longest busy-poll of an idle connection's socket before its task sleeps.
 const SPIN_MAX: Duration = Duration::from_micros(50);
@@ -35,6 +33,10 @@ const SPIN_AFTER_PERIODS: u32 = 8;
 const SPIN_BUSY_MAX: u32 = 16;
 /// Waits a closed I/O window stays closed before it is tried again.
 const IO_SPIN_RETRY: u32 = 512;
+
+/// Bytes one receive of the spin takes at most: as many as the scratch buffer it used to
+/// receive through held.
+const SPIN_RECEIVE_MOST: usize = 64 * 1024;
 
 /// What an idle spin ended with.
 pub(super) enum SpinOutcome {
@@ -107,8 +109,6 @@ pub(super) struct IdleSpin {
     io_retry: u32,
     /// How many connections may spin at once.
     max_spinners: usize,
-    /// Receive buffer for the spin (the reactor's read path is not used while spinning).
-    scratch: Vec<u8>,
 }
 
 impl IdleSpin {
@@ -127,7 +127,6 @@ impl IdleSpin {
             io_window: SPIN_IO_MAX,
             io_retry: 0,
             max_spinners: workers / 2,
-            scratch: Vec::new(),
         }
     }
 
@@ -150,19 +149,15 @@ impl IdleSpin {
         let Some(_slot) = SpinSlot::take(self.max_spinners) else {
             return SpinOutcome::Sleep;
         };
-        if self.scratch.is_empty() {
-            self.scratch = vec![0; 64 * 1024];
-        }
         loop {
-            match rustix::net::recv(fd, &mut self.scratch, RecvFlags::DONTWAIT) {
-                Ok(0) => return SpinOutcome::Closed,
-                Ok(n) => {
-                    inbuf.extend_from_slice(&self.scratch[..n]);
+            match receive_into_spare_room(fd, inbuf, SPIN_RECEIVE_MOST) {
+                Ok(Received::Closed) => return SpinOutcome::Closed,
+                Ok(Received::Bytes(_)) => {
                     self.got_bytes();
                     return SpinOutcome::Bytes;
                 }
-                Err(Errno::AGAIN) | Err(Errno::INTR) => {}
-                Err(e) => return SpinOutcome::Failed(e.into()),
+                Ok(Received::Nothing) => {}
+                Err(e) => return SpinOutcome::Failed(e),
             }
             if started.elapsed() >= self.window {
                 return SpinOutcome::Sleep;
@@ -360,7 +355,7 @@ mod tests {
             SpinOutcome::Sleep
         ));
         assert!(inbuf.is_empty());
-        let _ = rustix::net::recv(&server, &mut [0; 16], RecvFlags::DONTWAIT).unwrap();
+        let _ = rustix::net::recv(&server, &mut [0; 16], rustix::net::RecvFlags::DONTWAIT).unwrap();
         single_periods(&mut spin, &server, SPIN_AFTER_PERIODS - 1);
         spin.request();
         client.write_all(b"next").unwrap();

@@ -11,6 +11,7 @@ mod idle_spin;
 mod in_flight;
 pub mod pipeline;
 mod probe;
+mod receive;
 mod splice_probe;
 pub mod validate;
 

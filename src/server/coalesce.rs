@@ -48,9 +48,10 @@ use std::num::NonZeroU64;
 use std::os::fd::BorrowedFd;
 use std::time::Duration;
 
+use bytes::BytesMut;
+
 use super::probe::{takes_alternative, Probe, BLOCK_EPOCHS};
 use super::receive::{receive_into_spare_room, Received};
-use bytes::BytesMut;
 
 /// How long the shortest nap lasts: the first rung above none.
 pub const NAP: Duration = Duration::from_micros(20);

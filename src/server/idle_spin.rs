@@ -6,9 +6,10 @@ use std::os::fd::BorrowedFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use bytes::BytesMut;
+
 use super::receive::{receive_into_spare_room, Received};
 use crate::backend::Backend;
-use bytes::BytesMut;
 
 /// Longest busy-poll of an idle connection's socket before its task sleeps.
 const SPIN_MAX: Duration = Duration::from_micros(50);
@@ -307,6 +308,7 @@ impl Drop for SpinSlot {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rustix::net::RecvFlags;
     use std::io::Write;
     use std::os::fd::AsFd;
     use std::os::unix::net::UnixStream;
@@ -355,7 +357,7 @@ mod tests {
             SpinOutcome::Sleep
         ));
         assert!(inbuf.is_empty());
-        let _ = rustix::net::recv(&server, &mut [0; 16], rustix::net::RecvFlags::DONTWAIT).unwrap();
+        let _ = rustix::net::recv(&server, &mut [0; 16], RecvFlags::DONTWAIT).unwrap();
         single_periods(&mut spin, &server, SPIN_AFTER_PERIODS - 1);
         spin.request();
         client.write_all(b"next").unwrap();

@@ -110,6 +110,9 @@ pub(super) struct IdleSpin {
     io_retry: u32,
     /// How many connections may spin at once.
     max_spinners: usize,
+    /// Reads the time: `Instant::now`, except in tests, whose clock does not depend on
+    /// how the test thread is scheduled.
+    now: fn() -> Instant,
 }
 
 impl IdleSpin {
@@ -128,6 +131,7 @@ impl IdleSpin {
             io_window: SPIN_IO_MAX,
             io_retry: 0,
             max_spinners: workers / 2,
+            now: Instant::now,
         }
     }
 
@@ -140,7 +144,7 @@ impl IdleSpin {
         inbuf: &mut BytesMut,
         connections: usize,
     ) -> SpinOutcome {
-        let started = Instant::now();
+        let started = (self.now)();
         self.idle_since = Some(started);
         self.busy_period_ended();
         let qualifies = self.few_in_flight(connections) && !self.window.is_zero();
@@ -160,7 +164,7 @@ impl IdleSpin {
                 Ok(Received::Nothing) => {}
                 Err(e) => return SpinOutcome::Failed(e),
             }
-            if started.elapsed() >= self.window {
+            if self.since(started) >= self.window {
                 return SpinOutcome::Sleep;
             }
             std::hint::spin_loop();
@@ -224,7 +228,7 @@ impl IdleSpin {
         let Some(before) = backend.poll_completions() else {
             return false;
         };
-        let started = Instant::now();
+        let started = (self.now)();
         loop {
             // A change means a completion was handed out, by this poll or by the reaper;
             // perhaps another connection's, and then the caller comes back.
@@ -232,7 +236,7 @@ impl IdleSpin {
                 self.io_window = (self.io_window * 2).min(SPIN_IO_MAX);
                 return true;
             }
-            if started.elapsed() >= self.io_window {
+            if self.since(started) >= self.io_window {
                 self.io_window /= 2;
                 if self.io_window < SPIN_START {
                     self.io_window = Duration::ZERO;
@@ -242,6 +246,11 @@ impl IdleSpin {
             }
             std::hint::spin_loop();
         }
+    }
+
+    /// Time passed since `then`, by the spin's clock.
+    fn since(&self, then: Instant) -> Duration {
+        (self.now)().saturating_duration_since(then)
     }
 
     /// A request header was parsed.
@@ -254,7 +263,7 @@ impl IdleSpin {
         let Some(since) = self.idle_since.take() else {
             return;
         };
-        let idle = since.elapsed();
+        let idle = self.since(since);
         if idle <= self.window {
             return;
         }
@@ -309,6 +318,7 @@ impl Drop for SpinSlot {
 mod tests {
     use super::*;
     use rustix::net::RecvFlags;
+    use std::cell::Cell;
     use std::io::Write;
     use std::os::fd::AsFd;
     use std::os::unix::net::UnixStream;
@@ -316,10 +326,35 @@ mod tests {
     /// Room for every test spinning at once: the slots are server-wide.
     const TEST_SPINNERS: usize = 64;
 
+    /// How far the tests' clock moves at each reading.
+    const TICK: Duration = Duration::from_micros(1);
+
+    thread_local! {
+        /// The time by the tests' clock, on this test's thread.
+        static TEST_TIME: Cell<Option<Instant>> = const { Cell::new(None) };
+    }
+
+    /// A clock that moves [`TICK`] at each reading and otherwise only when a test moves
+    /// it: a spin that waits for bytes ends after `window / TICK` readings, and a test
+    /// thread preempted while the other tests run sees no idle time it did not ask for.
+    fn ticking_now() -> Instant {
+        TEST_TIME.with(|time| {
+            let now = time.get().unwrap_or_else(Instant::now) + TICK;
+            time.set(Some(now));
+            now
+        })
+    }
+
+    /// Moves the tests' clock on by `by`, as a client that stays idle that long.
+    fn pass(by: Duration) {
+        TEST_TIME.with(|time| time.set(Some(ticking_now() + by)));
+    }
+
     fn spinner() -> IdleSpin {
         IdleSpin {
             max_spinners: TEST_SPINNERS,
             window: SPIN_MAX,
+            now: ticking_now,
             ..IdleSpin::new()
         }
     }
@@ -420,11 +455,11 @@ mod tests {
         let (server, _client) = UnixStream::pair().unwrap();
         let mut spin = spinner();
         single_periods(&mut spin, &server, 1);
-        std::thread::sleep(SPIN_WORTH * 3);
+        pass(SPIN_WORTH * 3);
         spin.got_bytes();
         assert_eq!(spin.window, SPIN_MAX / 2);
         single_periods(&mut spin, &server, 1);
-        std::thread::sleep(SPIN_WORTH * 3);
+        pass(SPIN_WORTH * 3);
         spin.got_bytes();
         assert_eq!(
             spin.window,
@@ -464,6 +499,8 @@ mod tests {
     fn requests_that_follow_at_once_keep_the_spin_going() {
         // A client that answers within microseconds is exactly one a sleep would cost a
         // wake-up: however many spins catch a request at once, the next one still spins.
+        // (By the wall clock, a test thread preempted twice while the others ran saw idle
+        // periods long enough to close the window, and the test failed now and then.)
         let (server, mut client) = UnixStream::pair().unwrap();
         let mut spin = spinner();
         single_periods(&mut spin, &server, SPIN_AFTER_PERIODS);

@@ -51,7 +51,7 @@ use std::time::Duration;
 use bytes::BytesMut;
 
 use super::probe::{takes_alternative, Probe, BLOCK_EPOCHS};
-use super::receive::{receive_into_spare_room, Received};
+use super::receive::{receive_into_spare_room, Received, RECEIVE_MOST};
 
 /// How long the shortest nap lasts: the first rung above none.
 pub const NAP: Duration = Duration::from_micros(20);
@@ -102,8 +102,6 @@ const NAP_WITHOUT_LOOKING: u32 = 8;
 /// of their rate against the build before (2,857 against 3,427 a second); in a later run
 /// with this bound, 3,354 against 3,271 without it and 3,519 for the build before.
 const LARGE_REQUEST: u64 = 256 * 1024;
-/// Bytes one receive of [`Coalesce::gather`] takes at most.
-const RECEIVE_MOST: usize = 64 * 1024;
 /// Napping epochs with fewer naps than one per this many requests did not nap.
 const MAX_REQUESTS_PER_NAP: u64 = 32;
 /// Napping is kept when it loses at most this share of the request rate ...

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
 
-use super::receive::{receive_into_spare_room, Received};
+use super::receive::{receive_into_spare_room, Received, RECEIVE_MOST};
 use crate::backend::Backend;
 
 /// Longest busy-poll of an idle connection's socket before its task sleeps.
@@ -34,10 +34,6 @@ const SPIN_AFTER_PERIODS: u32 = 8;
 const SPIN_BUSY_MAX: u32 = 16;
 /// Waits a closed I/O window stays closed before it is tried again.
 const IO_SPIN_RETRY: u32 = 512;
-
-/// Bytes one receive of the spin takes at most: as many as the scratch buffer it used to
-/// receive through held.
-const SPIN_RECEIVE_MOST: usize = 64 * 1024;
 
 /// What an idle spin ended with.
 pub(super) enum SpinOutcome {
@@ -155,7 +151,7 @@ impl IdleSpin {
             return SpinOutcome::Sleep;
         };
         loop {
-            match receive_into_spare_room(fd, inbuf, SPIN_RECEIVE_MOST) {
+            match receive_into_spare_room(fd, inbuf, RECEIVE_MOST) {
                 Ok(Received::Closed) => return SpinOutcome::Closed,
                 Ok(Received::Bytes(_)) => {
                     self.got_bytes();

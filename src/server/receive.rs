@@ -7,6 +7,10 @@ use bytes::BytesMut;
 use rustix::io::Errno;
 use rustix::net::RecvFlags;
 
+/// Bytes one receive takes at most, in the coalescer's gather and in the idle spin: a
+/// bound on how far the read buffer grows ahead of the requests parsed from it.
+pub(super) const RECEIVE_MOST: usize = 64 * 1024;
+
 /// What one receive without blocking found.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) enum Received {

@@ -88,10 +88,15 @@ class CpuSampler:
             if self.done.wait(0.02):
                 return
 
-    def window(self, seconds):
-        """CPU seconds spent in the last `seconds` before now (interpolated at the start)."""
+    def stop(self):
+        """Ends the sampling (again is harmless): after a failed run too, or the thread would
+        go on reading a server that is gone."""
         self.done.set()
         self.thread.join()
+
+    def window(self, seconds):
+        """CPU seconds spent in the last `seconds` before now (interpolated at the start)."""
+        self.stop()
         end_time, end_cpu = time.monotonic(), cpu_seconds(self.pid)
         start = end_time - seconds
         before = [s for s in self.samples if s[0] <= start]
@@ -376,10 +381,13 @@ def one_run(name, job_args, server_name, backing, runtime, scratch):
             # The TCP counters start after the prefill: its 1 MiB writes are not the workload.
             net_before = nstat()
             sampler, cpu_before = CpuSampler(proc.pid), cpu_times()
-            if name.startswith("nbdload-"):
-                result = run_load(job_args, port, runtime)
-            else:
-                result = run_fio(job_args, f"nbd://127.0.0.1:{port}", runtime, out)
+            try:
+                if name.startswith("nbdload-"):
+                    result = run_load(job_args, port, runtime)
+                else:
+                    result = run_fio(job_args, f"nbd://127.0.0.1:{port}", runtime, out)
+            finally:
+                sampler.stop()
             cpu = sampler.window(result["runtime_s"])
             result["steal"] = steal_share(cpu_before, cpu_times())
             result["cpu_per_mreq"] = cpu / (result["ios"] / 1e6) if result["ios"] else None

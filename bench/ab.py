@@ -94,13 +94,14 @@ def main():
                         print(f"[{time.time() - started:5.0f}s] {name} {r + 1} {row}: {e}", flush=True)
                         continue
                     results.setdefault((name, row), []).append(run)
-                    cpu = run["cpu_per_mreq"]
+                    cpu, depth = run["cpu_per_mreq"], run.get("disk_depth")
                     print(f"[{time.time() - started:5.0f}s] {name} {r + 1} {row}: {run['iops']:,.0f} IOPS "
-                          f"{run['mbps']:,.0f} MB/s" + (f", {cpu:.2f} CPU µs/req" if cpu else ""), flush=True)
+                          f"{run['mbps']:,.0f} MB/s" + (f", {cpu:.2f} CPU µs/req" if cpu else "")
+                          + (f", {depth:.1f} at the disk" if depth is not None else ""), flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
-    print(f"\n{'workload':22} {'row':22} {'IOPS median (min-max)':>30} {'MB/s':>8} {'CPU µs/req':>11} {'delayed ACKs':>13} {'retrans':>9}")
+    print(f"\n{'workload':22} {'row':22} {'IOPS median (min-max)':>30} {'MB/s':>8} {'CPU µs/req':>11} {'delayed ACKs':>13} {'retrans':>9} {'at disk':>8}")
     for name in work:
         for row in rows:
             runs = results.get((name, row), [])
@@ -112,8 +113,10 @@ def main():
             cpu = bench.median_range(cpus)[0] if cpus else None
             acks = sum(r["tcp"].get("TcpExtDelayedACKs", 0) for r in runs)
             retrans = sum(r["tcp"].get("TcpRetransSegs", 0) for r in runs)
+            depth = bench.median_range([r.get("disk_depth") for r in runs])[0]
             print(f"{name:22} {row:22} {iops:>12,.0f} ({lo:,.0f}-{hi:,.0f}) {mbps:>8,.0f} "
-                  f"{'' if cpu is None else f'{cpu:.2f}':>11} {acks:>13,} {retrans:>9,}")
+                  f"{'' if cpu is None else f'{cpu:.2f}':>11} {acks:>13,} {retrans:>9,} "
+                  f"{'' if depth is None else f'{depth:.1f}':>8}")
 
 
 if __name__ == "__main__":

@@ -122,6 +122,34 @@ def steal_share(before, after):
     return delta[7] / sum(delta) if sum(delta) else 0.0
 
 
+def disk_stat_path(path):
+    """The /sys block statistics file of the disk that holds `path`, or None (a file on tmpfs
+    or overlayfs has no disk)."""
+    dev = os.stat(path).st_dev
+    stat = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat"
+    return stat if os.path.exists(stat) else None
+
+
+def disk_reading(stat_path):
+    """(time, milliseconds the disk's requests have spent in its queue, summed over requests:
+    the stat file's 11th field), or None without a disk."""
+    if stat_path is None:
+        return None
+    with open(stat_path) as f:
+        fields = f.read().split()
+    return time.monotonic(), int(fields[10])
+
+
+def disk_queue_depth(before, after):
+    """Mean number of requests at the disk between two `disk_reading`s (Little's law: time in
+    queue summed over requests, over the time that passed). With a client that keeps N in
+    flight, N minus this is how many were elsewhere (in the client, on the network, in the
+    server), which is what holds a network server under the local row at the same N."""
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    return (after[1] - before[1]) / 1000 / (after[0] - before[0])
+
+
 def nstat():
     out = subprocess.run(["nstat", "-az", *NSTAT_KEYS], capture_output=True, text=True).stdout
     values = {}
@@ -363,8 +391,9 @@ def one_run(name, job_args, server_name, backing, runtime, scratch):
     if server_name == LOCAL or SERVERS[server_name].kind == "file":
         settle_backing(backing, warm=server_name in PAGE_CACHE_ROWS)
     if server_name == LOCAL:
-        net_before, cpu_before = nstat(), cpu_times()
+        net_before, cpu_before, disk_before = nstat(), cpu_times(), disk_reading(disk_stat_path(backing))
         result = run_fio(job_args, backing, runtime, out)
+        result["disk_depth"] = disk_queue_depth(disk_before, disk_reading(disk_stat_path(backing)))
         result["steal"] = steal_share(cpu_before, cpu_times())
         result["cpu_per_mreq"] = None
     else:
@@ -381,6 +410,8 @@ def one_run(name, job_args, server_name, backing, runtime, scratch):
             # The TCP counters start after the prefill: its 1 MiB writes are not the workload.
             net_before = nstat()
             sampler, cpu_before = CpuSampler(proc.pid), cpu_times()
+            disk = disk_stat_path(backing) if SERVERS[server_name].kind == "file" else None
+            disk_before = disk_reading(disk)
             try:
                 if name.startswith("nbdload-"):
                     result = run_load(job_args, port, runtime)
@@ -389,6 +420,7 @@ def one_run(name, job_args, server_name, backing, runtime, scratch):
             finally:
                 sampler.stop()
             cpu = sampler.window(result["runtime_s"])
+            result["disk_depth"] = disk_queue_depth(disk_before, disk_reading(disk))
             result["steal"] = steal_share(cpu_before, cpu_times())
             result["cpu_per_mreq"] = cpu / (result["ios"] / 1e6) if result["ios"] else None
         finally:
@@ -863,6 +895,10 @@ def write_report(args, selected, fs_selected, results, errors, rounds, runtime, 
         target(f"--cache=none {text} ≥ {q}× qemu-nbd --cache=none", r, r is not None and r >= q, f"{fmt(r, 2)}×")
         r = ratio(med(results, (w, "netblk-direct"), "iops"), med(results, (w, LOCAL), "iops"))
         target(f"--cache=none {text} ≥ {int(l * 100)}% of local", r, r is not None and r >= l, f"{fmt(r * 100 if r else None)}%")
+        depths = {server: med(results, (w, server), "disk_depth") for server in ("netblk-direct", LOCAL)}
+        if all(d is not None for d in depths.values()):
+            lines.append(f"| (diagnostic) mean requests at the disk during {text}, over the whole run: netblk-direct "
+                         f"against local | {fmt(depths['netblk-direct'], 1)} against {fmt(depths[LOCAL], 1)} | – |")
     figures = []
     for direction in ("read", "write"):
         sizes = ["4k", *CURVE_SIZES]

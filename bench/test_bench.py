@@ -139,6 +139,29 @@ class Report(unittest.TestCase):
         self.assertEqual(bench.median_range([3, None, 1, 2]), (2, 1, 3))
         self.assertEqual(bench.median_range([None]), (None, None, None))
 
+    def test_disk_queue_depth_is_time_in_queue_over_time(self):
+        # 24 requests at the disk for 2 s: 48,000 ms of queue time summed over them.
+        self.assertAlmostEqual(bench.disk_queue_depth((10.0, 5_000), (12.0, 53_000)), 24.0)
+        self.assertIsNone(bench.disk_queue_depth(None, (12.0, 53_000)))
+        self.assertIsNone(bench.disk_queue_depth((12.0, 5_000), (12.0, 5_000)))
+
+    def test_disk_reading_takes_the_queue_time_field(self):
+        # A /sys/block/*/stat line: reads, merges, sectors, ms; the same for writes; in flight,
+        # io ms, time in queue ms (the 11th field), then discards and flushes.
+        with tempfile.NamedTemporaryFile("w", suffix="stat") as f:
+            f.write("  1000 0 8000 400 200 0 1600 90 3 2000 4567 0 0 0 0 0 0\n")
+            f.flush()
+            when, in_queue = bench.disk_reading(f.name)
+        self.assertEqual(in_queue, 4567)
+        self.assertIsNone(bench.disk_reading(None))
+
+    def test_disk_stat_path_names_a_stat_file_or_none(self):
+        for path in ("/var/tmp", "/dev/shm", "/proc/self"):
+            stat = bench.disk_stat_path(path)
+            self.assertTrue(stat is None or (os.path.exists(stat) and stat.endswith("/stat")), (path, stat))
+        # /proc has no disk under it.
+        self.assertIsNone(bench.disk_stat_path("/proc/self"))
+
     def test_sizes(self):
         self.assertEqual(bench.size_bytes("64k"), 64 << 10)
         self.assertEqual(bench.size_bytes("32m"), 32 << 20)

@@ -388,12 +388,14 @@ def run_load(job_args, port, runtime):
 
 def one_run(name, job_args, server_name, backing, runtime, scratch):
     out = os.path.join(scratch, "fio.json")
-    if server_name == LOCAL or SERVERS[server_name].kind == "file":
+    on_disk = server_name == LOCAL or SERVERS[server_name].kind == "file"
+    if on_disk:
         settle_backing(backing, warm=server_name in PAGE_CACHE_ROWS)
+    disk = disk_stat_path(backing) if on_disk else None
     if server_name == LOCAL:
-        net_before, cpu_before, disk_before = nstat(), cpu_times(), disk_reading(disk_stat_path(backing))
+        net_before, cpu_before, disk_before = nstat(), cpu_times(), disk_reading(disk)
         result = run_fio(job_args, backing, runtime, out)
-        result["disk_depth"] = disk_queue_depth(disk_before, disk_reading(disk_stat_path(backing)))
+        result["disk_depth"] = disk_queue_depth(disk_before, disk_reading(disk))
         result["steal"] = steal_share(cpu_before, cpu_times())
         result["cpu_per_mreq"] = None
     else:
@@ -409,9 +411,7 @@ def one_run(name, job_args, server_name, backing, runtime, scratch):
                                check=True, capture_output=True, timeout=300)
             # The TCP counters start after the prefill: its 1 MiB writes are not the workload.
             net_before = nstat()
-            sampler, cpu_before = CpuSampler(proc.pid), cpu_times()
-            disk = disk_stat_path(backing) if SERVERS[server_name].kind == "file" else None
-            disk_before = disk_reading(disk)
+            sampler, cpu_before, disk_before = CpuSampler(proc.pid), cpu_times(), disk_reading(disk)
             try:
                 if name.startswith("nbdload-"):
                     result = run_load(job_args, port, runtime)

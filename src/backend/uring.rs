@@ -110,8 +110,21 @@ pub fn plugged<R>(work: impl FnOnce() -> R) -> R {
 }
 
 thread_local! {
-    /// Set inside [`alone`]: a request that finds the ring empty runs as a system call.
-    static ALONE: Cell<bool> = const { Cell::new(false) };
+    /// Set inside [`alone`]: a request that finds the ring empty runs as a system call on
+    /// this thread, which serves what the value says.
+    static ALONE: Cell<Option<LoneThread>> = const { Cell::new(None) };
+}
+
+/// What else the thread that runs a connection's lone request serves (see [`alone`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LoneThread {
+    /// Other connections' tasks too: a worker of the shared runtime, or a connection
+    /// thread with several connections. A call that blocks it for long holds them up.
+    Shared,
+    /// Only this connection: a connection thread of its own
+    /// (`server::ConnectionThreads`) with no other connection on it. Nothing else waits
+    /// while a call blocks it, however slow the device.
+    Own,
 }
 
 /// Requests run as plain system calls by [`alone`] so far, across the process.
@@ -141,14 +154,18 @@ pub fn handed_off() -> u64 {
 /// eventfd, the reaper task and the connection's waker, each a wake-up across CPUs on a
 /// VM. A system call made by the connection's own thread is woken once, by the device.
 /// Measured reason: ARCHITECTURE.md, "A lone write or flush as a system call".
-pub fn alone<R>(work: impl FnOnce() -> R) -> R {
-    struct Reset(bool);
+///
+/// `thread` says what else the calling thread serves: after a slow call, a shared
+/// connection thread sends the requests through the ring again (see [`Ring::run_lone`]),
+/// a connection thread of its own keeps making them itself.
+pub fn alone<R>(thread: LoneThread, work: impl FnOnce() -> R) -> R {
+    struct Reset(Option<LoneThread>);
     impl Drop for Reset {
         fn drop(&mut self) {
             ALONE.with(|a| a.set(self.0));
         }
     }
-    let _reset = Reset(ALONE.with(|a| a.replace(true)));
+    let _reset = Reset(ALONE.with(|a| a.replace(Some(thread))));
     work()
 }
 
@@ -731,25 +748,31 @@ impl Ring {
         file: &Arc<File>,
         request: Request,
     ) -> Result<(io::Result<usize>, Option<Buffer>), Request> {
+        let Some(thread) = ALONE.with(Cell::get) else {
+            return Err(request);
+        };
         // Reads stay in the ring: a connection that polls the ring for a lone read's
         // completion (the pipeline's spin) answers sooner than one woken from `pread`.
-        if !ALONE.with(Cell::get)
-            || matches!(
-                request,
-                Request::Read { .. } | Request::StartWriteback { .. }
-            )
-        {
+        if matches!(
+            request,
+            Request::Read { .. } | Request::StartWriteback { .. }
+        ) {
             return Err(request);
         }
-        // On a worker of a multi-threaded runtime, or on a connection thread of its own
-        // (`server::ConnectionThreads`), whose other connections wait meanwhile; the
-        // pipeline runs requests alone only with few connections. A slow device's calls
-        // are handed over with `block_in_place`, which needs a multi-threaded runtime, and
-        // go through the ring on a single-threaded one.
+        // On a worker of a multi-threaded runtime, or on a connection thread
+        // (`server::ConnectionThreads`), whose other connections, if it has any, wait
+        // meanwhile; the pipeline runs requests alone only with few connections. A slow
+        // device's calls are handed over with `block_in_place`, which needs a
+        // multi-threaded runtime. On a connection thread they go through the ring when
+        // the thread has other connections, and stay on it when it has none: there the
+        // ring's hand-offs (io-wq, the eventfd, the reaper on another thread, the
+        // connection's waker) would only slow the one client that waits (page-cache write
+        // + FLUSH at QD1 on this VM's disk, whose syncs often take over 2 ms: 1,681
+        // against 1,248 pairs a second, bench/RESULTS.md, session 50).
         let Some(multi_threaded) = on_multi_threaded_runtime() else {
             return Err(request);
         };
-        if !multi_threaded && self.hands_off_at(Instant::now()) {
+        if !multi_threaded && thread == LoneThread::Shared && self.hands_off_at(Instant::now()) {
             return Err(request);
         }
         {
@@ -1122,8 +1145,9 @@ mod tests {
         });
     }
 
-    /// Polls its future inside [`alone`], as the pipeline polls a lone request.
-    struct Alone<F>(std::pin::Pin<Box<F>>);
+    /// Polls its future inside [`alone`] on a thread that serves what the second field
+    /// says, as the pipeline polls a lone request.
+    struct Alone<F>(std::pin::Pin<Box<F>>, LoneThread);
 
     impl<F: std::future::Future> std::future::Future for Alone<F> {
         type Output = F::Output;
@@ -1131,7 +1155,7 @@ mod tests {
             mut self: std::pin::Pin<&mut Self>,
             cx: &mut std::task::Context<'_>,
         ) -> std::task::Poll<F::Output> {
-            alone(|| self.0.as_mut().poll(cx))
+            alone(self.1, || self.0.as_mut().poll(cx))
         }
     }
 
@@ -1148,19 +1172,20 @@ mod tests {
             .block_on(runtime.spawn(async move {
                 let (ring, file) = (task_ring, task_file);
                 let inlined_before = inlined();
-                let n = Alone(Box::pin(ring.write(
-                    &file,
-                    8192,
-                    Bytes::from(vec![5u8; 4096]),
-                    RWF_DSYNC,
-                )))
+                let n = Alone(
+                    Box::pin(ring.write(&file, 8192, Bytes::from(vec![5u8; 4096]), RWF_DSYNC)),
+                    LoneThread::Shared,
+                )
                 .await
                 .unwrap();
                 assert_eq!(n, 4096);
-                Alone(Box::pin(ring.fsync(&file, true))).await.unwrap();
+                Alone(Box::pin(ring.fsync(&file, true)), LoneThread::Shared)
+                    .await
+                    .unwrap();
                 assert!(inlined() >= inlined_before + 2);
                 assert_eq!(ring.reap_posted(), 0, "nothing went through the ring");
-                let (n, buffer) = Alone(Box::pin(ring.read(&file, 8192, Buffer::take(4096)))).await;
+                let read = ring.read(&file, 8192, Buffer::take(4096));
+                let (n, buffer) = Alone(Box::pin(read), LoneThread::Shared).await;
                 assert_eq!(n.unwrap(), 4096);
                 assert!(buffer.as_ref().iter().all(|&b| b == 5));
                 assert_eq!(ring.reap_posted(), 1, "the read went through the ring");
@@ -1177,23 +1202,44 @@ mod tests {
         assert!(back[..4096].iter().all(|&b| b == 6));
         assert!(back[4096..8192].iter().all(|&b| b == 0));
         assert!(back[8192..].iter().all(|&b| b == 5));
-        // On a one-thread runtime (a connection thread of its own) a lone call runs on
-        // the thread as well ...
+        // On a one-thread runtime (a connection thread) a lone call runs on the thread
+        // as well ...
         let ring = Ring::new().unwrap();
         let inlined_before = inlined();
         current_thread().block_on(async {
-            Alone(Box::pin(ring.fsync(&file, true))).await.unwrap();
+            Alone(Box::pin(ring.fsync(&file, true)), LoneThread::Shared)
+                .await
+                .unwrap();
         });
         assert_eq!(ring.reap_posted(), 0, "nothing went through the ring");
         assert!(inlined() > inlined_before);
         // ... until the device is slow: a slow call cannot be handed over there (no
-        // `block_in_place`), so the next ones go through the ring instead.
+        // `block_in_place`), so on a thread with other connections the next ones go
+        // through the ring instead ...
         current_thread().block_on(async {
             ring.run_lone(|| std::thread::sleep(SLOW_LONE_CALL * 2));
             assert!(ring.hands_off());
-            Alone(Box::pin(ring.fsync(&file, true))).await.unwrap();
+            Alone(Box::pin(ring.fsync(&file, true)), LoneThread::Shared)
+                .await
+                .unwrap();
         });
         assert_eq!(ring.reap_posted(), 1, "the sync went through the ring");
+        // ... while a thread that serves only this connection keeps making them itself.
+        let inlined_before = inlined();
+        current_thread().block_on(async {
+            ring.run_lone(|| std::thread::sleep(SLOW_LONE_CALL * 2));
+            assert!(ring.hands_off());
+            Alone(Box::pin(ring.fsync(&file, true)), LoneThread::Own)
+                .await
+                .unwrap();
+            let write = ring.write(&file, 0, Bytes::from(vec![8u8; 4096]), 0);
+            let n = Alone(Box::pin(write), LoneThread::Own).await.unwrap();
+            assert_eq!(n, 4096);
+        });
+        assert_eq!(ring.reap_posted(), 1, "neither went through the ring");
+        assert!(inlined() >= inlined_before + 2);
+        file.read_exact_at(&mut back[..4096], 0).unwrap();
+        assert!(back[..4096].iter().all(|&b| b == 8), "the write landed");
     }
 
     #[test]

@@ -29,6 +29,7 @@ use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{mpsc, watch};
 use tracing::{info, warn, Instrument};
 
+use crate::backend::uring::LoneThread;
 use crate::backend::Backend;
 use crate::tcp::TcpSettings;
 
@@ -394,6 +395,22 @@ struct ConnectionThread {
 /// Connection threads in this process (the idle spin counts them as workers).
 pub(crate) static CONNECTION_THREADS: AtomicUsize = AtomicUsize::new(0);
 
+thread_local! {
+    /// On a connection thread: how many connections it serves now.
+    static THREAD_CONNECTIONS: std::cell::OnceCell<Arc<AtomicUsize>> =
+        const { std::cell::OnceCell::new() };
+}
+
+/// What else the calling thread serves besides the connection that runs a lone request
+/// on it: nothing on a connection thread with that one connection, others' tasks on any
+/// other thread (see `uring::alone`).
+pub(super) fn lone_thread() -> LoneThread {
+    THREAD_CONNECTIONS.with(|counter| match counter.get() {
+        Some(connections) if connections.load(Ordering::Acquire) == 1 => LoneThread::Own,
+        _ => LoneThread::Shared,
+    })
+}
+
 impl ConnectionThreads {
     /// Starts `count` threads, each running a runtime until the value is dropped; returns
     /// once every thread runs. Called on a runtime, that runtime runs the io_uring reapers
@@ -408,9 +425,10 @@ impl ConnectionThreads {
                 .enable_all()
                 .build()?;
             let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+            let connections = Arc::new(AtomicUsize::new(0));
             runtimes.push(ConnectionThread {
                 handle: runtime.handle().clone(),
-                connections: Arc::new(AtomicUsize::new(0)),
+                connections: Arc::clone(&connections),
                 stop: Some(stop_tx),
             });
             let running = running_tx.clone();
@@ -420,6 +438,9 @@ impl ConnectionThreads {
                     .name(format!("netblk-conn-{index}"))
                     .spawn(move || {
                         crate::backend::uring::set_reaper_runtime(shared);
+                        THREAD_CONNECTIONS.with(|counter| {
+                            let _ = counter.set(connections);
+                        });
                         let _ = running.send(());
                         runtime.block_on(async {
                             let _ = stop_rx.await;
@@ -655,5 +676,26 @@ mod tests {
         assert_eq!(handed_out_rx.recv().unwrap(), 8);
         drop(threads);
         drop(ring);
+    }
+
+    #[test]
+    fn a_connection_thread_is_its_connections_own_only_while_it_has_one() {
+        let threads = ConnectionThreads::start(1).unwrap();
+        let thread = &threads.runtimes[0];
+        let on_thread = |thread: &ConnectionThread| {
+            let (tx, rx) = std::sync::mpsc::channel();
+            thread.handle.spawn(async move {
+                let _ = tx.send(lone_thread());
+            });
+            rx.recv().unwrap()
+        };
+        assert_eq!(on_thread(thread), LoneThread::Shared, "no connection yet");
+        thread.connections.fetch_add(1, Ordering::AcqRel);
+        assert_eq!(on_thread(thread), LoneThread::Own);
+        thread.connections.fetch_add(1, Ordering::AcqRel);
+        assert_eq!(on_thread(thread), LoneThread::Shared, "a second connection");
+        thread.connections.fetch_sub(1, Ordering::AcqRel);
+        assert_eq!(on_thread(thread), LoneThread::Own);
+        assert_eq!(lone_thread(), LoneThread::Shared, "any other thread");
     }
 }

@@ -57,6 +57,7 @@ use super::splice_probe::SpliceProbe;
 use super::validate::{validate, Command, Limits};
 use super::Stream;
 use crate::backend::splice::Spliced;
+use crate::backend::uring::LoneThread;
 use crate::backend::{Backend, BackendError, Pieces, ReadData, WriteData, ZeroFlags};
 use crate::buffer::{Buffer, MIN_POOLED};
 use crate::idle::Idle;
@@ -1212,9 +1213,14 @@ impl Pipeline {
             && self.in_flight.len() == 1
             && (self.spin.one_at_a_time(connections)
                 || (self.flush_ahead.in_pattern() && self.spin.few_connections(connections)));
+        let lone_thread = if alone {
+            super::lone_thread()
+        } else {
+            LoneThread::Shared
+        };
         while collected < WRITE_AFTER_DATA {
             let polled = if alone {
-                crate::backend::uring::alone(|| self.in_flight.poll_next(cx))
+                crate::backend::uring::alone(lone_thread, || self.in_flight.poll_next(cx))
             } else {
                 self.in_flight.poll_next(cx)
             };

@@ -155,9 +155,12 @@ pub fn handed_off() -> u64 {
 /// VM. A system call made by the connection's own thread is woken once, by the device.
 /// Measured reason: ARCHITECTURE.md, "A lone write or flush as a system call".
 ///
-/// `thread` says what else the calling thread serves: after a slow call, a shared
-/// connection thread sends the requests through the ring again (see [`Ring::run_lone`]),
-/// a connection thread of its own keeps making them itself.
+/// `thread` says what else the calling thread serves. It matters only on a connection
+/// thread, after a slow call: one shared with other connections sends the requests
+/// through the ring again, one of its own keeps making them itself. On a worker of the
+/// shared runtime, calls after a slow one go through `block_in_place` either way (see
+/// [`Ring::run_lone`]). A connection placed on an `Own` thread while a call runs there
+/// waits for that one call; the next finds the thread `Shared`.
 pub fn alone<R>(thread: LoneThread, work: impl FnOnce() -> R) -> R {
     struct Reset(Option<LoneThread>);
     impl Drop for Reset {

@@ -159,7 +159,7 @@ pub fn handed_off() -> u64 {
 /// thread, after a slow call: one shared with other connections sends the requests
 /// through the ring again, one of its own keeps making them itself. On a worker of the
 /// shared runtime, calls after a slow one go through `block_in_place` either way (see
-/// [`Ring::run_lone`]). A connection placed on an `Own` thread while a call runs there
+/// `Ring::run_lone`). A connection placed on an `Own` thread while a call runs there
 /// waits for that one call; the next finds the thread `Shared`.
 pub fn alone<R>(thread: LoneThread, work: impl FnOnce() -> R) -> R {
     struct Reset(Option<LoneThread>);

@@ -57,7 +57,6 @@ use super::splice_probe::SpliceProbe;
 use super::validate::{validate, Command, Limits};
 use super::Stream;
 use crate::backend::splice::Spliced;
-use crate::backend::uring::LoneThread;
 use crate::backend::{Backend, BackendError, Pieces, ReadData, WriteData, ZeroFlags};
 use crate::buffer::{Buffer, MIN_POOLED};
 use crate::idle::Idle;
@@ -1213,16 +1212,14 @@ impl Pipeline {
             && self.in_flight.len() == 1
             && (self.spin.one_at_a_time(connections)
                 || (self.flush_ahead.in_pattern() && self.spin.few_connections(connections)));
-        let lone_thread = if alone {
-            super::lone_thread()
-        } else {
-            LoneThread::Shared
-        };
+        // What else this thread serves, asked once for the whole loop.
+        let lone_thread = alone.then(super::lone_thread);
         while collected < WRITE_AFTER_DATA {
-            let polled = if alone {
-                crate::backend::uring::alone(lone_thread, || self.in_flight.poll_next(cx))
-            } else {
-                self.in_flight.poll_next(cx)
+            let polled = match lone_thread {
+                Some(thread) => {
+                    crate::backend::uring::alone(thread, || self.in_flight.poll_next(cx))
+                }
+                None => self.in_flight.poll_next(cx),
             };
             let Poll::Ready(Some(finished)) = polled else {
                 break;

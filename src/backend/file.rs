@@ -2,7 +2,8 @@
 //! io_uring ([`super::uring`]), except in writeback mode, where writes without FUA are
 //! copied into the page cache on the calling thread, small cached reads are tried there
 //! first, and large cached reads are spliced into the client's socket without a copy
-//! ([`super::splice`]). With `--cache=none` the file is opened `O_DIRECT` and requests that do not cover
+//! ([`super::splice`]) or copied into it by the kernel straight from a mapping of the file
+//! ([`super::mapping`]). With `--cache=none` the file is opened `O_DIRECT` and requests that do not cover
 //! whole blocks are read-modify-written under a range lock ([`super::range_lock`]). TRIM
 //! punches holes, WRITE_ZEROES uses `fallocate`, block status comes from
 //! `SEEK_DATA`/`SEEK_HOLE`, FUA writes use `RWF_DSYNC`, and FLUSH syncs only when a write
@@ -18,12 +19,13 @@ use std::sync::Arc;
 use anyhow::{bail, Context};
 use rustix::fs::FallocateFlags;
 
+use super::mapping::Mapping;
 use super::range_lock::RangeLocks;
 use super::uring::{Ring, RWF_DSYNC};
 use super::WriteData;
 use super::{
     backend_future, inline_backend_future, Backend, BackendError, BackendFuture, CacheMode,
-    Capabilities, Extent, ReadData, ZeroFlags,
+    Capabilities, Extent, Pieces, ReadData, ZeroFlags,
 };
 use crate::buffer::{Buffer, ALIGN};
 
@@ -33,6 +35,9 @@ use crate::buffer::{Buffer, ALIGN};
 const NOWAIT_READ_MAX: usize = 64 * 1024;
 /// Reads at least this long ask the file system where its holes are first.
 const HOLE_QUERY_MIN: usize = 64 * 1024;
+/// Cached reads from this length on may be served from the mapping
+/// ([`Backend::read_mapped`]).
+const MAPPED_READ_MIN: usize = 64 * 1024;
 /// In writeback mode, once this many bytes have been written into the page cache since
 /// writeback was last started, writeback of the file's dirty pages is started in the
 /// background (see [`WriteBehind`]).
@@ -57,6 +62,10 @@ pub struct FileBackend {
     /// Direct I/O buffers must start on a multiple of this (1 in writeback mode).
     memory_align: usize,
     ring: Arc<Ring>,
+    /// The file mapped, for cached reads the kernel copies into a socket straight from the
+    /// page cache ([`Backend::read_mapped`]); page-cache mode only, and `None` where the
+    /// file could not be mapped.
+    mapping: Option<Arc<Mapping>>,
     locks: RangeLocks,
     dirty: Arc<DirtyTracker>,
     behind: Arc<WriteBehind>,
@@ -246,6 +255,19 @@ impl FileBackend {
             CacheMode::Writeback => Ring::new(),
         }
         .context("setting up io_uring")?;
+        let mapping = match cache {
+            CacheMode::Writeback => match Mapping::of(&file, actual) {
+                Ok(mapping) => Some(Arc::new(mapping)),
+                Err(e) => {
+                    tracing::debug!(
+                        "{} not mapped ({e}): cached reads are copied",
+                        path.display()
+                    );
+                    None
+                }
+            },
+            CacheMode::None => None,
+        };
         Ok(FileBackend {
             path: path.to_path_buf(),
             file: Arc::new(file),
@@ -256,6 +278,7 @@ impl FileBackend {
             block,
             memory_align,
             ring,
+            mapping,
             locks: RangeLocks::default(),
             dirty: Arc::new(DirtyTracker::default()),
             behind: Arc::new(WriteBehind::new()),
@@ -654,6 +677,21 @@ impl Backend for FileBackend {
         super::splice::splice_cached(&self.file, offset, length)
     }
 
+    fn read_mapped(&self, offset: u64, length: usize) -> Option<ReadData> {
+        // Below this a read is cheaper copied by `preadv2` than checked with `cachestat`.
+        if length < MAPPED_READ_MIN {
+            return None;
+        }
+        let part = self.mapping.as_ref()?.part(offset, length)?;
+        // Only cached pages: an uncached one would make the socket's copy wait on the
+        // device inside `writev`, with the connection's thread blocked. Cached holes read
+        // as zeroes and go out as data, which is correct (as for splicing).
+        if super::splice::cached(&self.file, offset, length as u64) != Some(true) {
+            return None;
+        }
+        Some(ReadData::dense(Pieces::Mapped(part)))
+    }
+
     fn can_splice(&self) -> bool {
         self.cache == CacheMode::Writeback
     }
@@ -1008,6 +1046,40 @@ mod tests {
                 // that it is cached (`cachestat`, Linux 6.5).
                 assert!(spliced.is_some(), "{mode}");
             }
+        }
+    }
+
+    #[test]
+    fn only_large_cached_ranges_of_a_page_cache_export_are_read_from_its_mapping() {
+        let length = MAPPED_READ_MIN;
+        for mode in MODES {
+            let (_dir, _path, b) = new_export(4 << 20, Some(mode));
+            let data: Vec<u8> = (0..1 << 20).map(|i: u32| (i % 253) as u8).collect();
+            block_on(async {
+                b.write(0, Bytes::from(data.clone()).into(), false)
+                    .await
+                    .unwrap();
+                b.flush().await.unwrap();
+            });
+            if mode == CacheMode::None {
+                assert!(b.read_mapped(0, length).is_none());
+                continue;
+            }
+            if super::super::splice::cached(&b.file, 0, 4096).is_none() {
+                return; // no `cachestat` (before Linux 6.5): nothing is ever mapped
+            }
+            // Dropped from the page cache (clean after the flush): not read from the mapping.
+            rustix::fs::fadvise(&*b.file, 0, 0, rustix::fs::Advice::DontNeed).unwrap();
+            assert!(b.read_mapped(0, length).is_none(), "uncached");
+            // Read back into the cache: now it is, with the file's bytes.
+            block_on(b.read(0, 1 << 20)).unwrap();
+            let mapped = b.read_mapped(4096, length).expect("cached");
+            assert!(matches!(mapped.data, Pieces::Mapped(_)));
+            assert_eq!(mapped.runs.as_slice(), &[(length, false)]);
+            assert!(mapped.bytes()[..] == data[4096..4096 + length]);
+            // Too short to be worth the check, or past the end: not mapped.
+            assert!(b.read_mapped(0, length - 1).is_none());
+            assert!(b.read_mapped((4 << 20) - 4096, length).is_none());
         }
     }
 

@@ -9,6 +9,7 @@
 
 mod answer;
 pub mod file;
+pub mod mapping;
 pub mod memory;
 pub mod page_pool;
 pub mod powercut;
@@ -194,6 +195,9 @@ pub enum Pieces {
     /// Part of a pooled buffer a backend read into (a file export's read), shared by the
     /// replies to reads merged into it: as a `Bytes` it too needed a boxed owner per read.
     Pooled(SharedBuffer),
+    /// Part of a page-cache export's file mapping ([`Backend::read_mapped`]): its bytes
+    /// are for the kernel to copy into a socket, not to be read here (see [`mapping`]).
+    Mapped(mapping::MappedPart),
 }
 
 /// One buffer of [`Pieces::Many`]. A page is held as a [`PagePart`], not as a `Bytes`,
@@ -348,6 +352,7 @@ impl Pieces {
             Pieces::Many(many) => (many, None),
             Pieces::Page(part) => (&[], Some(part.bytes())),
             Pieces::Pooled(shared) => (&[], Some(&shared[..])),
+            Pieces::Mapped(part) => (&[], Some(part.bytes())),
         };
         Slices {
             buffers: buffers.iter(),
@@ -361,6 +366,7 @@ impl Pieces {
             Pieces::Many(many) => many.iter().map(Piece::len).sum(),
             Pieces::Page(part) => part.len,
             Pieces::Pooled(shared) => shared.len(),
+            Pieces::Mapped(part) => part.len(),
         }
     }
 
@@ -374,6 +380,7 @@ impl Pieces {
             Pieces::One(one) => one.clone(),
             Pieces::Page(part) => Bytes::from(part.clone()),
             Pieces::Pooled(shared) => shared.clone().into(),
+            Pieces::Mapped(part) => Bytes::copy_from_slice(part.bytes()),
             Pieces::Many(many) => {
                 let mut all = Vec::with_capacity(self.len());
                 for piece in many.iter() {
@@ -392,6 +399,7 @@ impl Pieces {
             Pieces::One(one) => Pieces::One(one.slice(start..end)),
             Pieces::Page(part) => Pieces::Page(part.slice(start, length)),
             Pieces::Pooled(shared) => Pieces::Pooled(shared.slice(start, length)),
+            Pieces::Mapped(part) => Pieces::Mapped(part.slice(start, length)),
             Pieces::Many(many) => {
                 // Each piece that overlaps the range, with the range's part of it.
                 let mut at = 0usize;
@@ -652,6 +660,15 @@ pub trait Backend: Send + Sync + 'static {
     /// without blocking; `None` means read with [`Backend::read`] instead. The range is
     /// within the export and holds no holes the reply must report.
     fn read_to_pipe(&self, _offset: u64, _length: usize) -> Option<splice::Spliced> {
+        None
+    }
+    /// The `length` bytes at `offset` as a part of the backend's mapping of its page cache
+    /// ([`Pieces::Mapped`]), when all of them are cached now; `None` means read with
+    /// [`Backend::read`] instead. For a reply whose data the kernel copies into a socket,
+    /// and for nothing that reads the bytes itself (see [`mapping`]): the pipeline asks for
+    /// this only for a socket, never a layer that keeps or checks data. The range is within
+    /// the export and holds no holes the reply must report.
+    fn read_mapped(&self, _offset: u64, _length: usize) -> Option<ReadData> {
         None
     }
     /// Whether [`Backend::read_to_pipe`] can ever hand out a pipe. A connection measures

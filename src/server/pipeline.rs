@@ -480,7 +480,9 @@ struct Pipeline {
     /// Naps before reading while that lets requests gather (see `super::coalesce`).
     coalesce: Coalesce,
     /// The socket takes read data straight from a pipe, and the backend can put read data
-    /// into one ([`Backend::read_to_pipe`]).
+    /// into one ([`Backend::read_to_pipe`]). Such a socket is one the kernel copies into,
+    /// and large cached reads that are not spliced are copied into it from the backend's
+    /// mapping of its file ([`Backend::read_mapped`]).
     splice: bool,
     /// Whether this client takes spliced or copied large reads faster (see
     /// `super::splice_probe`).
@@ -563,6 +565,10 @@ impl Pipeline {
         let Some(merged) = self.merging.take() else {
             return;
         };
+        if let Some(mapped) = self.read_mapped(merged.offset, merged.length) {
+            self.merged_replies(merged, Ok(mapped));
+            return;
+        }
         if let Some(result) = self
             .backend
             .read_at_once(merged.offset, merged.length as usize)
@@ -830,6 +836,18 @@ impl Pipeline {
         self.backend.read_to_pipe(offset, length as usize)
     }
 
+    /// A large cached read as part of the backend's mapping of its file, for the socket's
+    /// `writev` to copy straight from the page cache (one copy instead of two: the page
+    /// cache into a buffer, the buffer into the socket), when the socket is one the kernel
+    /// copies into and the whole range is cached. Measured reason: ARCHITECTURE.md, "Cached
+    /// file reads copied once, from a mapping".
+    fn read_mapped(&self, offset: u64, length: u32) -> Option<ReadData> {
+        if !self.splice {
+            return None;
+        }
+        self.backend.read_mapped(offset, length as usize)
+    }
+
     /// Whether cached reads are spliced now: the socket takes splices, and this client
     /// has not been measured to take copies faster.
     fn splicing(&self) -> bool {
@@ -952,10 +970,15 @@ impl Pipeline {
                     let len = (u64::from(length) - start).min(u64::from(STREAM_PIECE)) as u32;
                     let backend = Arc::clone(&backend);
                     let spliced = self.read_to_pipe(offset + start, len);
+                    let mapped = match spliced {
+                        Some(_) => None,
+                        None => self.read_mapped(offset + start, len),
+                    };
                     self.in_flight.push(async move {
-                        let data = match spliced {
-                            Some(spliced) => Ok(PieceData::Spliced(spliced)),
-                            None => backend
+                        let data = match (spliced, mapped) {
+                            (Some(spliced), _) => Ok(PieceData::Spliced(spliced)),
+                            (None, Some(mapped)) => Ok(PieceData::Read(mapped)),
+                            (None, None) => backend
                                 .read(offset + start, len as usize)
                                 .await
                                 .map(PieceData::Read),
@@ -1865,6 +1888,10 @@ mod tests {
         fail_read_at: Option<u64>,
         trim_unsupported: bool,
         splices_allowed: usize,
+        /// Reads served from the backend's mapping; asked of the backend only when
+        /// `map_reads` (the other tests count every large read as copied or spliced).
+        mapped: std::sync::atomic::AtomicUsize,
+        map_reads: bool,
     }
 
     impl CountingReads {
@@ -1890,6 +1917,8 @@ mod tests {
                 fail_read_at: None,
                 trim_unsupported: false,
                 splices_allowed: usize::MAX,
+                mapped: Default::default(),
+                map_reads: false,
             }
         }
 
@@ -1950,6 +1979,15 @@ mod tests {
             let spliced = self.inner.read_to_pipe(offset, length)?;
             count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             Some(spliced)
+        }
+        fn read_mapped(&self, offset: u64, length: usize) -> Option<ReadData> {
+            if !self.map_reads {
+                return None;
+            }
+            let mapped = self.inner.read_mapped(offset, length)?;
+            self.mapped
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Some(mapped)
         }
         fn can_splice(&self) -> bool {
             self.inner.can_splice()
@@ -2866,6 +2904,50 @@ mod tests {
         (tmp, pattern, backend)
     }
 
+    /// Sends every read of `reads` (cookie, offset, length) before reading any reply,
+    /// then reads the structured replies and checks that each read got all its bytes, equal
+    /// to `pattern`'s.
+    async fn send_reads_and_check_structured_replies(
+        client: &mut tokio::net::UnixStream,
+        reads: &[(u64, u64, u64)],
+        pattern: &[u8],
+    ) {
+        for &(cookie, offset, length) in reads {
+            client
+                .write_all(&request(cmd::READ, 0, cookie, offset, length))
+                .await
+                .unwrap();
+        }
+        let mut assembled: HashMap<u64, (Vec<u8>, usize)> = reads
+            .iter()
+            .map(|&(c, _, l)| (c, (vec![0u8; l as usize], 0)))
+            .collect();
+        let mut finished = 0;
+        while finished < reads.len() {
+            let (flags, kind, cookie, payload) = read_chunk(client).await;
+            let &(_, offset, _) = reads.iter().find(|r| r.0 == cookie).unwrap();
+            if kind == reply::TYPE_OFFSET_DATA {
+                let at = u64::from_be_bytes(payload[..8].try_into().unwrap()) - offset;
+                let (buf, covered) = assembled.get_mut(&cookie).unwrap();
+                buf[at as usize..at as usize + payload.len() - 8].copy_from_slice(&payload[8..]);
+                *covered += payload.len() - 8;
+            } else {
+                assert_eq!(kind, reply::TYPE_NONE, "cookie {cookie}");
+            }
+            if flags & reply::FLAG_DONE != 0 {
+                finished += 1;
+            }
+        }
+        for &(cookie, offset, length) in reads {
+            let (buf, covered) = &assembled[&cookie];
+            assert_eq!(*covered as u64, length, "cookie {cookie}");
+            assert!(
+                buf[..] == pattern[offset as usize..(offset + length) as usize],
+                "cookie {cookie}: wrong bytes"
+            );
+        }
+    }
+
     /// Reads of cached file data over a real socket leave through a pipe: a whole read, a
     /// streamed one, several in flight at once, and a simple reply; every byte matches,
     /// and small reads are still copied.
@@ -2883,40 +2965,7 @@ mod tests {
             (4, 7 << 20, 4096),
             (5, (8 << 20) - 131_072, 131_072),
         ];
-        for &(cookie, offset, length) in &reads {
-            client
-                .write_all(&request(cmd::READ, 0, cookie, offset, length))
-                .await
-                .unwrap();
-        }
-        let mut assembled: HashMap<u64, (Vec<u8>, usize)> = reads
-            .iter()
-            .map(|&(c, _, l)| (c, (vec![0u8; l as usize], 0)))
-            .collect();
-        let mut finished = 0;
-        while finished < reads.len() {
-            let (flags, kind, cookie, payload) = read_chunk(&mut client).await;
-            let &(_, offset, _) = reads.iter().find(|r| r.0 == cookie).unwrap();
-            if kind == reply::TYPE_OFFSET_DATA {
-                let at = u64::from_be_bytes(payload[..8].try_into().unwrap()) - offset;
-                let (buf, covered) = assembled.get_mut(&cookie).unwrap();
-                buf[at as usize..at as usize + payload.len() - 8].copy_from_slice(&payload[8..]);
-                *covered += payload.len() - 8;
-            } else {
-                assert_eq!(kind, reply::TYPE_NONE, "cookie {cookie}");
-            }
-            if flags & reply::FLAG_DONE != 0 {
-                finished += 1;
-            }
-        }
-        for &(cookie, offset, length) in &reads {
-            let (buf, covered) = &assembled[&cookie];
-            assert_eq!(*covered as u64, length, "cookie {cookie}");
-            assert!(
-                buf[..] == pattern[offset as usize..(offset + length) as usize],
-                "cookie {cookie}: wrong bytes"
-            );
-        }
+        send_reads_and_check_structured_replies(&mut client, &reads, &pattern).await;
         let spliced = backend.spliced.load(std::sync::atomic::Ordering::SeqCst);
         if crate::backend::splice::splice_cached(
             &std::fs::File::open(tmp.path()).unwrap(),
@@ -2929,6 +2978,37 @@ mod tests {
             // worth a pipe, and is copied.
             assert_eq!(spliced, 7, "reads that went through a pipe");
             assert_eq!(backend.reads.load(std::sync::atomic::Ordering::SeqCst), 1);
+        }
+    }
+
+    /// Large cached reads that are not spliced (here: no pipe is ever free, as when the
+    /// client was measured to take copies faster) are copied into the socket from the
+    /// file's mapping: a whole read, the whole pieces of a streamed one, several in flight;
+    /// every byte matches, and small reads and short pieces are still read by copying.
+    #[tokio::test]
+    async fn cached_file_reads_that_are_not_spliced_leave_from_the_mapping_byte_for_byte() {
+        let (tmp, pattern, backend) = counted_file_export(8 << 20, 13, 251);
+        let mut backend = Arc::into_inner(backend).unwrap();
+        backend.splices_allowed = 0;
+        backend.map_reads = true;
+        let backend = Arc::new(backend);
+        let (client, server) = tokio::net::UnixStream::pair().unwrap();
+        let mut client = serve_and_negotiate(backend.clone(), client, server).await;
+        // (cookie, offset, length): a whole read, one streamed over three whole pieces and a
+        // short one, one of the smallest mapped length, and a small read.
+        let reads = [
+            (1u64, 0u64, 200_000u64),
+            (2, 300_001, 3 * u64::from(STREAM_PIECE) + 4097),
+            (3, 5 << 20, 65536),
+            (4, 7 << 20, 4096),
+        ];
+        send_reads_and_check_structured_replies(&mut client, &reads, &pattern).await;
+        assert_eq!(backend.spliced.load(std::sync::atomic::Ordering::SeqCst), 0);
+        let file = std::fs::File::open(tmp.path()).unwrap();
+        if crate::backend::splice::cached(&file, 0, 8 << 20) == Some(true) {
+            // 1 + 3 + 1 mapped; the short last piece and the 4 KiB read copied.
+            assert_eq!(backend.mapped.load(std::sync::atomic::Ordering::SeqCst), 5);
+            assert_eq!(backend.reads.load(std::sync::atomic::Ordering::SeqCst), 2);
         }
     }
 

@@ -11,7 +11,9 @@
 //! at positions that move with each reply, splicing read 3.4× faster, and it costs the
 //! server a third of the CPU (`bench/RESULTS.md`, session 39). The server cannot see the
 //! client's buffers, so it measures, as request coalescing does (`super::coalesce`), in
-//! the cycle the two share (`super::probe`).
+//! the cycle the two share (`super::probe`). Copying means one copy since session 51: the
+//! socket's `writev` takes the data from the export's mapping of its file
+//! (`crate::backend::mapping`), not from a buffer the page cache was first read into.
 //!
 //! A probe runs four epochs: splicing, copying, copying, splicing, so that a steady drift
 //! weighs on both sides alike. An epoch lets [`SETTLE_READS`] large reads pass, then

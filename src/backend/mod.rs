@@ -380,6 +380,7 @@ impl Pieces {
             Pieces::One(one) => one.clone(),
             Pieces::Page(part) => Bytes::from(part.clone()),
             Pieces::Pooled(shared) => shared.clone().into(),
+            // Read here only by tests: a mapped part goes to a socket alone (`mapping`).
             Pieces::Mapped(part) => Bytes::copy_from_slice(part.bytes()),
             Pieces::Many(many) => {
                 let mut all = Vec::with_capacity(self.len());

@@ -2904,6 +2904,17 @@ mod tests {
         (tmp, pattern, backend)
     }
 
+    /// Reads of an 8 MiB export, (cookie, offset, length), for the tests of cached reads:
+    /// whole reads, one longer than three stream pieces, one of 64 KiB, a small one and one
+    /// that ends at the end of the export.
+    const MIXED_READS: [(u64, u64, u64); 5] = [
+        (1, 0, 200_000),
+        (2, 300_001, 3 * STREAM_PIECE as u64 + 4097),
+        (3, 5 << 20, 65536),
+        (4, 7 << 20, 4096),
+        (5, (8 << 20) - 131_072, 131_072),
+    ];
+
     /// Sends every read of `reads` (cookie, offset, length) before reading any reply,
     /// then reads the structured replies and checks that each read got all its bytes, equal
     /// to `pattern`'s.
@@ -2956,16 +2967,7 @@ mod tests {
         let (tmp, pattern, backend) = counted_file_export(8 << 20, 13, 251);
         let (client, server) = tokio::net::UnixStream::pair().unwrap();
         let mut client = serve_and_negotiate(backend.clone(), client, server).await;
-        // (cookie, offset, length): whole reads, one streamed over four pieces, and a small
-        // read that is copied; all sent before any reply is read.
-        let reads = [
-            (1u64, 0u64, 200_000u64),
-            (2, 300_001, 3 * u64::from(STREAM_PIECE) + 4097),
-            (3, 5 << 20, 65536),
-            (4, 7 << 20, 4096),
-            (5, (8 << 20) - 131_072, 131_072),
-        ];
-        send_reads_and_check_structured_replies(&mut client, &reads, &pattern).await;
+        send_reads_and_check_structured_replies(&mut client, &MIXED_READS, &pattern).await;
         let spliced = backend.spliced.load(std::sync::atomic::Ordering::SeqCst);
         if crate::backend::splice::splice_cached(
             &std::fs::File::open(tmp.path()).unwrap(),
@@ -2983,8 +2985,8 @@ mod tests {
 
     /// Large cached reads that are not spliced (here: no pipe is ever free, as when the
     /// client was measured to take copies faster) are copied into the socket from the
-    /// file's mapping: a whole read, the whole pieces of a streamed one, several in flight;
-    /// every byte matches, and small reads and short pieces are still read by copying.
+    /// file's mapping: whole reads and the whole pieces of a streamed one, several in
+    /// flight; every byte matches, and small reads and short pieces are still copied.
     #[tokio::test]
     async fn cached_file_reads_that_are_not_spliced_leave_from_the_mapping_byte_for_byte() {
         let (tmp, pattern, backend) = counted_file_export(8 << 20, 13, 251);
@@ -2994,20 +2996,13 @@ mod tests {
         let backend = Arc::new(backend);
         let (client, server) = tokio::net::UnixStream::pair().unwrap();
         let mut client = serve_and_negotiate(backend.clone(), client, server).await;
-        // (cookie, offset, length): a whole read, one streamed over three whole pieces and a
-        // short one, one of the smallest mapped length, and a small read.
-        let reads = [
-            (1u64, 0u64, 200_000u64),
-            (2, 300_001, 3 * u64::from(STREAM_PIECE) + 4097),
-            (3, 5 << 20, 65536),
-            (4, 7 << 20, 4096),
-        ];
-        send_reads_and_check_structured_replies(&mut client, &reads, &pattern).await;
+        send_reads_and_check_structured_replies(&mut client, &MIXED_READS, &pattern).await;
         assert_eq!(backend.spliced.load(std::sync::atomic::Ordering::SeqCst), 0);
         let file = std::fs::File::open(tmp.path()).unwrap();
         if crate::backend::splice::cached(&file, 0, 8 << 20) == Some(true) {
-            // 1 + 3 + 1 mapped; the short last piece and the 4 KiB read copied.
-            assert_eq!(backend.mapped.load(std::sync::atomic::Ordering::SeqCst), 5);
+            // 1 + 3 + 1 + 1 mapped: the second read's short last piece (4,097 bytes) and
+            // the 4 KiB read are too small, and are copied.
+            assert_eq!(backend.mapped.load(std::sync::atomic::Ordering::SeqCst), 6);
             assert_eq!(backend.reads.load(std::sync::atomic::Ordering::SeqCst), 2);
         }
     }

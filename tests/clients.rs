@@ -309,6 +309,27 @@ fn nbdcopy_copies_in_and_out() {
     assert_same_file(&out, &source);
 }
 
+/// A real client reads a cached file export through both of the server's ways out for large
+/// cached reads. One connection's splice probe (`server::splice_probe`) splices its first
+/// epoch (34 MiB of nbdcopy's 256 KiB requests) and copies the next two from the file's
+/// mapping (`backend::mapping`); every byte must match either way.
+#[test]
+fn nbdcopy_reads_a_cached_file_export_spliced_and_mapped_byte_for_byte() {
+    if !have("nbdcopy") {
+        return;
+    }
+    let dir = tempdir();
+    let export = dir.path().join("export.img");
+    pattern_file(&export, 96 * MIB, 106);
+    let server = Server::start(&[path_str(&export)]);
+    let out = dir.path().join("out.img");
+    run(Command::new("nbdcopy")
+        .args(["--connections=1", "--request-size=262144"])
+        .arg(server.uri())
+        .arg(&out));
+    assert_same_file(&out, &export);
+}
+
 #[test]
 fn nbdcopy_uses_four_connections_with_multi_conn() {
     if !have("nbdcopy") {

@@ -682,13 +682,15 @@ impl Backend for FileBackend {
         if length < MAPPED_READ_MIN {
             return None;
         }
-        let part = self.mapping.as_ref()?.part(offset, length)?;
+        let mapping = self.mapping.as_ref()?;
         // Only cached pages: an uncached one would make the socket's copy wait on the
         // device inside `writev`, with the connection's thread blocked. Cached holes read
-        // as zeroes and go out as data, which is correct (as for splicing).
+        // as zeroes and go out as data, which is correct (as for splicing). Checked before
+        // the part takes its reference to the mapping, which an uncached read would drop.
         if super::splice::cached(&self.file, offset, length as u64) != Some(true) {
             return None;
         }
+        let part = mapping.part(offset, length)?;
         Some(ReadData::dense(Pieces::Mapped(part)))
     }
 

@@ -319,6 +319,7 @@ pub async fn run<S: Stream>(
         spin: IdleSpin::new(),
         coalesce: Coalesce::default(),
         splice: stream.can_splice() && negotiated.export.backend.can_splice(),
+        kernel_copies: stream.socket_fd().is_some(),
         splice_probe: SpliceProbe::default(),
         on_device,
         after_large_payload: false,
@@ -480,10 +481,14 @@ struct Pipeline {
     /// Naps before reading while that lets requests gather (see `super::coalesce`).
     coalesce: Coalesce,
     /// The socket takes read data straight from a pipe, and the backend can put read data
-    /// into one ([`Backend::read_to_pipe`]). Such a socket is one the kernel copies into,
-    /// and large cached reads that are not spliced are copied into it from the backend's
-    /// mapping of its file ([`Backend::read_mapped`]).
+    /// into one ([`Backend::read_to_pipe`]). Cleared if the socket refuses a splice.
     splice: bool,
+    /// The stream is a kernel socket, whose `writev` the kernel copies from our memory:
+    /// large cached reads that are not spliced are copied into it straight from the
+    /// backend's mapping of its file ([`Backend::read_mapped`]). Never a stream that reads
+    /// the bytes in user space, where a page that cannot be read back would be a `SIGBUS`
+    /// instead of that one `writev`'s `EFAULT`.
+    kernel_copies: bool,
     /// Whether this client takes spliced or copied large reads faster (see
     /// `super::splice_probe`).
     splice_probe: SpliceProbe,
@@ -842,7 +847,7 @@ impl Pipeline {
     /// copies into and the whole range is cached. Measured reason: ARCHITECTURE.md, "Cached
     /// file reads copied once, from a mapping".
     fn read_mapped(&self, offset: u64, length: u32) -> Option<ReadData> {
-        if !self.splice {
+        if !self.kernel_copies {
             return None;
         }
         self.backend.read_mapped(offset, length as usize)
@@ -1083,8 +1088,9 @@ impl Pipeline {
             if front.later.is_some() && self.front_written >= front.header.len() {
                 // `self.splicing()`, field by field: `front` borrows `self.outq`.
                 let splice = self.splice && self.splice_probe.splicing();
-                let backend = &self.backend;
-                match poll_later_piece(backend, splice, front, &mut self.later_pieces, cx) {
+                let (backend, kernel_copies) = (&self.backend, self.kernel_copies);
+                let boxes = &mut self.later_pieces;
+                match poll_later_piece(backend, splice, kernel_copies, front, boxes, cx) {
                     Poll::Ready(Ok(())) => continue,
                     Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
                     Poll::Pending if wrote => return Poll::Ready(Ok(true)),
@@ -1727,6 +1733,7 @@ fn read_piece_replies(
 fn poll_later_piece(
     backend: &Arc<dyn Backend>,
     splice: bool,
+    kernel_copies: bool,
     message: &mut Outgoing,
     boxes: &mut LaterPieces,
     cx: &mut Context<'_>,
@@ -1745,6 +1752,17 @@ fn poll_later_piece(
         {
             chunk_header(later, &mut message.header);
             message.spliced = Some(spliced);
+            boxes.done(message);
+            return Poll::Ready(Ok(()));
+        }
+        // Not spliced (no pipe free, or the client takes copies faster): a cached piece is
+        // copied into the socket from the mapping, once, rather than read into a buffer.
+        if let Some(mapped) = kernel_copies
+            .then(|| backend.read_mapped(later.offset, later.length as usize))
+            .flatten()
+        {
+            chunk_header(later, &mut message.header);
+            message.data = Some(mapped.data);
             boxes.done(message);
             return Poll::Ready(Ok(()));
         }
@@ -2919,7 +2937,7 @@ mod tests {
     /// then reads the structured replies and checks that each read got all its bytes, equal
     /// to `pattern`'s.
     async fn send_reads_and_check_structured_replies(
-        client: &mut tokio::net::UnixStream,
+        client: &mut (impl tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin),
         reads: &[(u64, u64, u64)],
         pattern: &[u8],
     ) {
@@ -3007,6 +3025,23 @@ mod tests {
         }
     }
 
+    /// A stream that is not a kernel socket never gets mapped bytes, even when no read is
+    /// spliced: only a kernel socket's `writev` turns a page that cannot be read back into
+    /// an error for that one call. The reads are copied, byte for byte.
+    #[tokio::test]
+    async fn a_stream_that_is_not_a_kernel_socket_never_gets_mapped_reads() {
+        let (_tmp, pattern, backend) = counted_file_export(8 << 20, 13, 251);
+        let mut backend = Arc::into_inner(backend).unwrap();
+        backend.splices_allowed = 0;
+        backend.map_reads = true;
+        let backend = Arc::new(backend);
+        let (client, server) = tokio::io::duplex(1 << 20);
+        let mut client = serve_and_negotiate(backend.clone(), client, server).await;
+        send_reads_and_check_structured_replies(&mut client, &MIXED_READS, &pattern).await;
+        assert_eq!(backend.mapped.load(std::sync::atomic::Ordering::SeqCst), 0);
+        assert_eq!(backend.spliced.load(std::sync::atomic::Ordering::SeqCst), 0);
+    }
+
     /// With simple replies, a cached read too long for one pipe leaves through several,
     /// each spliced as the socket reaches it, however long the read; replies of several
     /// reads in flight stay whole and in step, and every byte matches.
@@ -3045,6 +3080,42 @@ mod tests {
             // be too short to splice, and would be copied.
             assert_eq!(spliced, 3 + 8 + 17 + 1, "pieces that went through a pipe");
             assert_eq!(backend.reads.load(std::sync::atomic::Ordering::SeqCst), 0);
+        }
+    }
+
+    /// With simple replies, the later pieces of a long cached read that cannot get a pipe
+    /// (here: only one splice is allowed, the first piece's) are copied into the socket
+    /// from the file's mapping, each as the socket reaches it, not read into a buffer.
+    #[tokio::test]
+    async fn later_pieces_that_get_no_pipe_leave_from_the_mapping_byte_for_byte() {
+        let (tmp, pattern, backend) = counted_file_export(16 << 20, 11, 241);
+        let mut backend = Arc::into_inner(backend).unwrap();
+        backend.splices_allowed = 1;
+        backend.map_reads = true;
+        let backend = Arc::new(backend);
+        let (client, server) = tokio::net::UnixStream::pair().unwrap();
+        let mut client = serve_and_negotiate_as(backend.clone(), client, server, false).await;
+        // Three pieces of 356,352 bytes but the last (348,217).
+        let reads = [(1u64, 4097u64, 2 * u64::from(STREAM_PIECE) + 12_345)];
+        let (cookie, offset, length) = reads[0];
+        client
+            .write_all(&request(cmd::READ, 0, cookie, offset, length))
+            .await
+            .unwrap();
+        let (_, data) = read_simple_reply(&mut client, &reads).await;
+        assert!(data.unwrap()[..] == pattern[offset as usize..(offset + length) as usize]);
+        let file = std::fs::File::open(tmp.path()).unwrap();
+        if crate::backend::splice::splice_cached(&file, 0, 65536).is_some()
+            && crate::backend::splice::cached(&file, 0, 16 << 20) == Some(true)
+        {
+            let count =
+                |c: &std::sync::atomic::AtomicUsize| c.load(std::sync::atomic::Ordering::SeqCst);
+            let counts = (
+                count(&backend.spliced),
+                count(&backend.mapped),
+                count(&backend.reads),
+            );
+            assert_eq!(counts, (1, 2, 0), "pieces spliced, mapped and read");
         }
     }
 

@@ -2922,6 +2922,25 @@ mod tests {
         (tmp, pattern, backend)
     }
 
+    /// [`counted_file_export`] that hands out large cached reads from its mapping when
+    /// asked, and splices at most `splices_allowed` reads or pieces.
+    fn mapping_file_export(
+        len: usize,
+        step: usize,
+        modulo: usize,
+        splices_allowed: usize,
+    ) -> (
+        tempfile::NamedTempFile,
+        Vec<u8>,
+        Arc<CountingReads<crate::backend::file::FileBackend>>,
+    ) {
+        let (tmp, pattern, backend) = counted_file_export(len, step, modulo);
+        let mut backend = Arc::into_inner(backend).unwrap();
+        backend.splices_allowed = splices_allowed;
+        backend.map_reads = true;
+        (tmp, pattern, Arc::new(backend))
+    }
+
     /// Reads of an 8 MiB export, (cookie, offset, length), for the tests of cached reads:
     /// whole reads, one longer than three stream pieces, one of 64 KiB, a small one and one
     /// that ends at the end of the export.
@@ -3007,11 +3026,7 @@ mod tests {
     /// flight; every byte matches, and small reads and short pieces are still copied.
     #[tokio::test]
     async fn cached_file_reads_that_are_not_spliced_leave_from_the_mapping_byte_for_byte() {
-        let (tmp, pattern, backend) = counted_file_export(8 << 20, 13, 251);
-        let mut backend = Arc::into_inner(backend).unwrap();
-        backend.splices_allowed = 0;
-        backend.map_reads = true;
-        let backend = Arc::new(backend);
+        let (tmp, pattern, backend) = mapping_file_export(8 << 20, 13, 251, 0);
         let (client, server) = tokio::net::UnixStream::pair().unwrap();
         let mut client = serve_and_negotiate(backend.clone(), client, server).await;
         send_reads_and_check_structured_replies(&mut client, &MIXED_READS, &pattern).await;
@@ -3030,11 +3045,7 @@ mod tests {
     /// an error for that one call. The reads are copied, byte for byte.
     #[tokio::test]
     async fn a_stream_that_is_not_a_kernel_socket_never_gets_mapped_reads() {
-        let (_tmp, pattern, backend) = counted_file_export(8 << 20, 13, 251);
-        let mut backend = Arc::into_inner(backend).unwrap();
-        backend.splices_allowed = 0;
-        backend.map_reads = true;
-        let backend = Arc::new(backend);
+        let (_tmp, pattern, backend) = mapping_file_export(8 << 20, 13, 251, 0);
         let (client, server) = tokio::io::duplex(1 << 20);
         let mut client = serve_and_negotiate(backend.clone(), client, server).await;
         send_reads_and_check_structured_replies(&mut client, &MIXED_READS, &pattern).await;
@@ -3088,11 +3099,7 @@ mod tests {
     /// from the file's mapping, each as the socket reaches it, not read into a buffer.
     #[tokio::test]
     async fn later_pieces_that_get_no_pipe_leave_from_the_mapping_byte_for_byte() {
-        let (tmp, pattern, backend) = counted_file_export(16 << 20, 11, 241);
-        let mut backend = Arc::into_inner(backend).unwrap();
-        backend.splices_allowed = 1;
-        backend.map_reads = true;
-        let backend = Arc::new(backend);
+        let (tmp, pattern, backend) = mapping_file_export(16 << 20, 11, 241, 1);
         let (client, server) = tokio::net::UnixStream::pair().unwrap();
         let mut client = serve_and_negotiate_as(backend.clone(), client, server, false).await;
         // Three pieces of 356,352 bytes but the last (348,217).

@@ -217,5 +217,47 @@ class RunOrder(unittest.TestCase):
         self.assertEqual([(name, server) for _, name, _, server in order], [("qd32", "b")])
 
 
+def rounds_at(*steals):
+    """A row's runs, one per steal share, their IOPS numbering them in the order they ran."""
+    return [{"iops": i + 1, "steal": steal} for i, steal in enumerate(steals)]
+
+
+class StealRounds(unittest.TestCase):
+    def test_a_row_with_no_extra_rounds_is_kept_whole(self):
+        runs = rounds_at(0.30, 0.01, 0.20)
+        self.assertEqual(bench.quietest(runs, 3), runs)
+
+    def test_the_quietest_rounds_are_kept_in_the_order_they_ran(self):
+        runs = rounds_at(0.30, 0.01, 0.20, 0.02, 0.05)
+        self.assertEqual([r["iops"] for r in bench.quietest(runs, 3)], [2, 4, 5])
+
+    def test_a_tie_keeps_the_earlier_round_and_missing_steal_counts_as_none(self):
+        runs = [{"iops": 1, "steal": 0.05}, {"iops": 2}, {"iops": 3, "steal": 0.05}, {"iops": 4, "steal": 0.5}]
+        self.assertEqual([r["iops"] for r in bench.quietest(runs, 2)], [1, 2])
+
+    def test_a_workload_is_noisy_while_any_rows_kept_rounds_exceed_the_limit(self):
+        selected = {"qd32": ([], ["a", "b"]), "qd1": ([], ["a", "b"]), "seq": ([], ["a", "b"])}
+        results = {("qd32", "a"): rounds_at(0.01, 0.02, 0.03), ("qd32", "b"): rounds_at(0.01, 0.12, 0.03),
+                   ("qd1", "a"): rounds_at(0.01, 0.25, 0.03), ("qd1", "b"): rounds_at(0.0, 0.0, 0.0),
+                   ("seq", "a"): rounds_at(0.01, 0.02, 0.03), ("seq", "b"): rounds_at(0.01, 0.02, 0.03)}
+        self.assertEqual(bench.noisy_workloads(selected, results, 3, 0.10, None), ["qd1", "qd32"])
+        # An extra round with little steal displaces the noisy one from the kept three.
+        results[("qd32", "a")].append({"iops": 4, "steal": 0.0})
+        results[("qd32", "b")].append({"iops": 4, "steal": 0.01})
+        self.assertEqual(bench.noisy_workloads(selected, results, 3, 0.10, None), ["qd1"])
+
+    def test_only_the_chosen_servers_decide(self):
+        selected = {"qd32": ([], ["a", "b"])}
+        results = {("qd32", "a"): rounds_at(0.5), ("qd32", "b"): rounds_at(0.0)}
+        self.assertEqual(bench.noisy_workloads(selected, results, 1, 0.10, ["b"]), [])
+        self.assertEqual(bench.noisy_workloads(selected, results, 1, 0.10, None), ["qd32"])
+
+    def test_the_report_names_the_workloads_measured_again(self):
+        self.assertEqual(bench.extra_round_lines({}, 3, 10), [])
+        text = " ".join(bench.extra_round_lines({"randread-qd32": 2, "write-fsync-qd1": 1}, 3, 10))
+        self.assertIn("more than 10% steal: randread-qd32 2 more, write-fsync-qd1 1 more", text)
+        self.assertIn("its 3 rounds with the least steal", text)
+
+
 if __name__ == "__main__":
     unittest.main()

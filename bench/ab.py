@@ -94,14 +94,15 @@ def main():
                         print(f"[{time.time() - started:5.0f}s] {name} {r + 1} {row}: {e}", flush=True)
                         continue
                     results.setdefault((name, row), []).append(run)
-                    cpu, depth = run["cpu_per_mreq"], run.get("disk_depth")
+                    cpu, depth, steal = run["cpu_per_mreq"], run.get("disk_depth"), run.get("steal")
                     print(f"[{time.time() - started:5.0f}s] {name} {r + 1} {row}: {run['iops']:,.0f} IOPS "
                           f"{run['mbps']:,.0f} MB/s" + (f", {cpu:.2f} CPU µs/req" if cpu else "")
-                          + (f", {depth:.1f} at the disk" if depth is not None else ""), flush=True)
+                          + (f", {depth:.1f} at the disk" if depth is not None else "")
+                          + (f", steal {steal * 100:.1f}%" if steal is not None else ""), flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
-    print(f"\n{'workload':22} {'row':22} {'IOPS median (min-max)':>30} {'MB/s':>8} {'CPU µs/req':>11} {'delayed ACKs':>13} {'retrans':>9} {'at disk':>8}")
+    print(f"\n{'workload':22} {'row':22} {'IOPS median (min-max)':>30} {'MB/s':>8} {'CPU µs/req':>11} {'delayed ACKs':>13} {'retrans':>9} {'at disk':>8} {'most steal %':>13}")
     for name in work:
         for row in rows:
             runs = results.get((name, row), [])
@@ -114,9 +115,13 @@ def main():
             acks = sum(r["tcp"].get("TcpExtDelayedACKs", 0) for r in runs)
             retrans = sum(r["tcp"].get("TcpRetransSegs", 0) for r in runs)
             depth = bench.median_range([r.get("disk_depth") for r in runs])[0]
+            # The largest, not the median: one slowed round is what to look for before
+            # trusting a difference between rows (bench.py measures such workloads again).
+            steal = bench.median_range([r.get("steal") for r in runs])[2]
             print(f"{name:22} {row:22} {iops:>12,.0f} ({lo:,.0f}-{hi:,.0f}) {mbps:>8,.0f} "
                   f"{'' if cpu is None else f'{cpu:.2f}':>11} {acks:>13,} {retrans:>9,} "
-                  f"{'' if depth is None else f'{depth:.1f}':>8}")
+                  f"{'' if depth is None else f'{depth:.1f}':>8} "
+                  f"{'' if steal is None else f'{steal * 100:.1f}':>13}")
 
 
 if __name__ == "__main__":

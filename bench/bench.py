@@ -2,7 +2,8 @@
 """Side-by-side benchmark: netblk against nbdkit, qemu-nbd and the local disk, same machine,
 same fio jobs, servers interleaved (A B C A B C ...) so drift hits every server alike, and rounds
 interleaved across workloads (every workload's round 1, then every workload's round 2, ...) so it
-hits every workload alike.
+hits every workload alike. A workload with a round that the hypervisor slowed (steal) is measured
+again, and each of its rows shows its quietest rounds (`noisy_workloads`, `quietest`).
 
     /usr/bin/python3 bench/bench.py                 # every workload, 3 rounds, 5 s runs
     /usr/bin/python3 bench/bench.py --quick         # 1 round, 2 s runs (smoke test)
@@ -824,8 +825,10 @@ def quietest(runs, rounds):
     """The `rounds` runs of a row that the hypervisor slowed least (by `steal`), in the order
     they ran: every row of a workload gets as many extra rounds as every other, and each is
     judged on its own quietest ones. Steal is measured by the machine, not by the server, so
-    the choice does not look at the figure it reports. A row with `rounds` runs or fewer is
-    kept whole."""
+    the choice does not look at the figure it reports. Steal counts only time a vCPU wanted
+    to run, so a row that keeps both CPUs busy can show more of it than an idler row in the
+    same minute: rounds are chosen within a row, never across rows. A row with `rounds` runs
+    or fewer is kept whole."""
     if len(runs) <= rounds:
         return list(runs)
     keep = sorted(range(len(runs)), key=lambda i: (runs[i].get("steal") or 0.0, i))[:rounds]

@@ -610,17 +610,7 @@ impl Backend for FileBackend {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            read_only: self.read_only,
-            flush: true,
-            fua: true,
-            trim: true,
-            write_zeroes: true,
-            fast_zero: true,
-            cache: true,
-            multi_conn: true,
-            rotational: false,
-        }
+        Capabilities::full_store(self.read_only)
     }
 
     fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {

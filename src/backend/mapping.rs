@@ -123,13 +123,9 @@ impl MappedPart {
 
     /// The `length` bytes from `start` on of this part, holding the same mapping.
     pub fn slice(&self, start: usize, length: usize) -> MappedPart {
-        assert!(
-            start + length <= self.len,
-            "{start}+{length} is outside the part"
-        );
         MappedPart {
             mapping: Arc::clone(&self.mapping),
-            start: self.start + start,
+            start: super::start_of_slice(self.start, self.len, start, length),
             len: length,
         }
     }

@@ -129,6 +129,23 @@ pub struct Capabilities {
 }
 
 impl Capabilities {
+    /// A backend that takes every kind of request (FLUSH and FUA, trims, zeroes with fast
+    /// zeroing, cache hints), whose FLUSH on one connection holds for every connection, on
+    /// media that is not rotational: the memory and the file export.
+    pub fn full_store(read_only: bool) -> Capabilities {
+        Capabilities {
+            read_only,
+            flush: true,
+            fua: true,
+            trim: true,
+            write_zeroes: true,
+            fast_zero: true,
+            cache: true,
+            multi_conn: true,
+            rotational: false,
+        }
+    }
+
     /// The NBD transmission flags for these capabilities. `chunked_replies` says whether
     /// structured replies or extended headers were negotiated (DF needs them).
     pub fn transmission_flags(&self, chunked_replies: bool) -> u16 {
@@ -316,16 +333,28 @@ impl PagePart {
 
     /// The `length` bytes from `start` on of this part, holding the same page.
     fn slice(&self, start: usize, length: usize) -> PagePart {
-        assert!(
-            start + length <= self.len,
-            "{start}+{length} is outside the part"
-        );
         PagePart {
             page: Arc::clone(&self.page),
-            start: self.start + start,
+            start: start_of_slice(self.start, self.len, start, length),
             len: length,
         }
     }
+}
+
+/// Where the `length` bytes from `start` on of a part begin in what the part holds, when
+/// the part is the `part_len` bytes from `part_start` on; panics when they reach past the
+/// part (a caller's arithmetic gone wrong, which must not hand out other bytes).
+pub(crate) fn start_of_slice(
+    part_start: usize,
+    part_len: usize,
+    start: usize,
+    length: usize,
+) -> usize {
+    assert!(
+        start.checked_add(length).is_some_and(|end| end <= part_len),
+        "{start}+{length} is outside the part"
+    );
+    part_start + start
 }
 
 /// The buffers of [`Pieces`], in order.
@@ -981,6 +1010,25 @@ mod tests {
             assert_eq!(mode.to_string().parse::<CacheMode>().unwrap(), mode);
         }
         assert!("unsafe".parse::<CacheMode>().is_err());
+    }
+
+    #[test]
+    fn a_slice_of_a_part_starts_within_it() {
+        assert_eq!(start_of_slice(100, 50, 0, 50), 100);
+        assert_eq!(start_of_slice(100, 50, 10, 20), 110);
+        assert_eq!(start_of_slice(100, 50, 50, 0), 150);
+    }
+
+    #[test]
+    #[should_panic(expected = "outside the part")]
+    fn a_slice_past_the_part_s_end_panics() {
+        start_of_slice(100, 50, 40, 11);
+    }
+
+    #[test]
+    #[should_panic(expected = "outside the part")]
+    fn a_slice_whose_end_overflows_panics() {
+        start_of_slice(0, 50, usize::MAX, 2);
     }
 
     #[test]

@@ -38,3 +38,14 @@ pub mod server;
 pub mod size;
 pub mod tcp;
 pub mod wire;
+
+/// A runtime for unit tests: two worker threads, as the machines here have two cores, with
+/// the I/O and time drivers, so that tasks meet each other across threads as in the server.
+#[cfg(test)]
+pub(crate) fn test_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a test runtime")
+}

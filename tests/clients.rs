@@ -304,9 +304,18 @@ fn nbdcopy_copies_in_and_out() {
     pattern_file(&source, 32 * MIB, 104);
     let server = Server::start(&["memory:32M"]);
     run(Command::new("nbdcopy").arg(&source).arg(server.uri()));
-    let out = dir.path().join("out.img");
-    run(Command::new("nbdcopy").arg(server.uri()).arg(&out));
-    assert_same_file(&out, &source);
+    nbdcopy_out_matches(&server, &[], dir.path(), &source);
+}
+
+/// Copies the whole of `server`'s export into a file in `dir` with nbdcopy and `options`,
+/// and asserts that it holds what `expected` holds.
+fn nbdcopy_out_matches(server: &Server, options: &[&str], dir: &Path, expected: &Path) {
+    let out = dir.join("out.img");
+    run(Command::new("nbdcopy")
+        .args(options)
+        .arg(server.uri())
+        .arg(&out));
+    assert_same_file(&out, expected);
 }
 
 /// A real client reads a cached file export through both of the server's ways out for large
@@ -322,12 +331,8 @@ fn nbdcopy_reads_a_cached_file_export_spliced_and_mapped_byte_for_byte() {
     let export = dir.path().join("export.img");
     pattern_file(&export, 96 * MIB, 106);
     let server = Server::start(&[path_str(&export)]);
-    let out = dir.path().join("out.img");
-    run(Command::new("nbdcopy")
-        .args(["--connections=1", "--request-size=262144"])
-        .arg(server.uri())
-        .arg(&out));
-    assert_same_file(&out, &export);
+    let options = ["--connections=1", "--request-size=262144"];
+    nbdcopy_out_matches(&server, &options, dir.path(), &export);
 }
 
 #[test]

@@ -281,10 +281,7 @@ mod tests {
     fn threads_that_send_and_receive_at_once_never_share_a_cell() {
         // Senders on another thread, receivers polled by tokio; every value arrives at its
         // own receiver, whatever order the two halves let go in.
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .build()
-            .unwrap();
+        let runtime = crate::test_runtime();
         let pool: &'static AnswerPool<u64> = Box::leak(Box::default());
         runtime.block_on(async move {
             for round in 0..2_000u64 {

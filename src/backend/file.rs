@@ -868,12 +868,7 @@ mod tests {
     use std::os::unix::fs::FileExt;
 
     fn block_on<T>(f: impl std::future::Future<Output = T>) -> T {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap()
-            .block_on(f)
+        crate::test_runtime().block_on(f)
     }
 
     const MODES: [CacheMode; 2] = [CacheMode::Writeback, CacheMode::None];

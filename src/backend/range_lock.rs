@@ -86,17 +86,9 @@ mod tests {
     use std::sync::Arc;
     use std::time::Duration;
 
-    fn runtime() -> tokio::runtime::Runtime {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap()
-    }
-
     #[test]
     fn shared_ranges_overlap_and_exclusive_ones_wait() {
-        runtime().block_on(async {
+        crate::test_runtime().block_on(async {
             let locks = Arc::new(RangeLocks::default());
             let a = locks.lock(0, 4096, false).await;
             let b = locks.lock(0, 8192, false).await;
@@ -127,7 +119,7 @@ mod tests {
 
     #[test]
     fn exclusive_holders_of_one_block_take_turns() {
-        runtime().block_on(async {
+        crate::test_runtime().block_on(async {
             let locks = Arc::new(RangeLocks::default());
             let inside = Arc::new(std::sync::atomic::AtomicUsize::new(0));
             let tasks: Vec<_> = (0..50)

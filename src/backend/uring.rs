@@ -1118,20 +1118,12 @@ mod tests {
             .unwrap()
     }
 
-    fn runtime() -> tokio::runtime::Runtime {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap()
-    }
-
     #[test]
     fn writes_reads_and_syncs_go_through_the_ring() {
         let (mut tmp, file) = scratch_file();
         tmp.write_all(&vec![0u8; 1 << 20]).unwrap();
         let ring = Ring::new().unwrap();
-        runtime().block_on(async {
+        crate::test_runtime().block_on(async {
             let n = ring
                 .write(&file, 4096, Bytes::from(vec![7u8; 8192]), RWF_DSYNC)
                 .await
@@ -1168,7 +1160,7 @@ mod tests {
         let (mut tmp, file) = scratch_file();
         tmp.write_all(&vec![0u8; 1 << 20]).unwrap();
         let ring = Ring::new().unwrap();
-        let runtime = runtime();
+        let runtime = crate::test_runtime();
         let (task_ring, task_file) = (Arc::clone(&ring), Arc::clone(&file));
         // On a worker of the multi-threaded runtime, where `block_in_place` may run.
         runtime
@@ -1249,7 +1241,7 @@ mod tests {
     fn a_slow_lone_call_makes_the_next_ones_hand_the_worker_over() {
         let ring = Ring::new().unwrap();
         let task_ring = Arc::clone(&ring);
-        let runtime = runtime();
+        let runtime = crate::test_runtime();
         runtime
             .block_on(runtime.spawn(async move {
                 let ring = task_ring;
@@ -1301,7 +1293,7 @@ mod tests {
     fn many_requests_in_flight_complete_and_a_dropped_waiter_loses_nothing() {
         let (_tmp, file) = scratch_file();
         let ring = Ring::new().unwrap();
-        runtime().block_on(async {
+        crate::test_runtime().block_on(async {
             write_blocks_at_once(&ring, &file, 2000).await;
             // A read whose waiter is dropped at once: its buffer stays with the ring
             // until the kernel is done, and later requests still complete.
@@ -1364,7 +1356,7 @@ mod tests {
             ring.fixed_buffers,
             "registering the arena failed (run as root, or raise RLIMIT_MEMLOCK)"
         );
-        runtime().block_on(async {
+        crate::test_runtime().block_on(async {
             let mut data = crate::buffer::arena_buffer(8192);
             for (i, b) in data.as_mut().iter_mut().enumerate() {
                 *b = (i % 253) as u8;
@@ -1414,7 +1406,7 @@ mod tests {
     fn entries_held_back_by_the_depth_cap_all_complete_in_place() {
         let (_tmp, file) = scratch_file();
         let ring = batchy_ring();
-        runtime().block_on(async {
+        crate::test_runtime().block_on(async {
             write_blocks_at_once(&ring, &file, 512).await;
             check_blocks(&ring, &file, &[0, 255, 511]).await;
         });

@@ -274,11 +274,7 @@ mod tests {
     /// them, whether it wrote them itself or the writer task did.
     #[test]
     fn concurrent_senders_frames_arrive_whole_and_in_order() {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
+        let runtime = crate::test_runtime();
         runtime.block_on(async {
             let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
             let client = TcpStream::connect(listener.local_addr().unwrap())

@@ -802,7 +802,7 @@ def main():
         # every server of the workload once more, so that each row can be judged on its
         # `rounds` quietest rounds (`quietest`).
         deadline = time.time() + extra_minutes * 60
-        for more in range(EXTRA_ROUNDS):
+        for more in range(EXTRA_ROUNDS if extra_minutes > 0 else 0):
             for name in noisy_workloads(selected, results, rounds, args.steal_limit / 100, args.servers):
                 cost = max(s for (n, _), s in round_seconds.items() if n == name)
                 if time.time() + cost > deadline:

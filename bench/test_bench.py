@@ -10,6 +10,7 @@ import os
 import tempfile
 import unittest
 
+import ab
 import bench
 import sections
 
@@ -257,6 +258,37 @@ class StealRounds(unittest.TestCase):
         text = " ".join(bench.extra_round_lines({"randread-qd32": 2, "write-fsync-qd1": 1}, 3, 10))
         self.assertIn("more than 10% steal: randread-qd32 2 more, write-fsync-qd1 1 more", text)
         self.assertIn("its 3 rounds with the least steal", text)
+
+
+class AbExtraRounds(unittest.TestCase):
+    """`ab.py` measures a workload again, as bench.py does, while a kept round ran slowed."""
+
+    def measure(self, steals, rounds=3, extra_rounds=3):
+        """Runs rows a and b with the given steal per round (the last value repeats), and
+        returns the extra rounds and the order of the calls."""
+        results, calls = {}, []
+
+        def run_row(r, row):
+            calls.append((r, row))
+            results.setdefault(("w", row), []).append({"iops": r, "steal": steals[min(r, len(steals) - 1)]})
+
+        more = ab.measure_workload("w", ["a", "b"], rounds, run_row, results, 0.10, extra_rounds)
+        return more, calls, results
+
+    def test_quiet_rounds_get_no_more(self):
+        more, calls, _ = self.measure([0.01, 0.02, 0.0])
+        self.assertEqual(more, 0)
+        self.assertEqual(calls, [(0, "a"), (0, "b"), (1, "a"), (1, "b"), (2, "a"), (2, "b")])
+
+    def test_a_slowed_round_gets_every_row_once_more_until_the_kept_ones_are_quiet(self):
+        more, calls, results = self.measure([0.01, 0.30, 0.25, 0.0])
+        self.assertEqual(more, 2)
+        self.assertEqual(calls[6:], [(3, "a"), (3, "b"), (4, "a"), (4, "b")])
+        self.assertEqual([r["iops"] for r in bench.quietest(results[("w", "a")], 3)], [0, 3, 4])
+
+    def test_extra_rounds_stop_at_the_limit_or_never_start(self):
+        self.assertEqual(self.measure([0.5])[0], 3)
+        self.assertEqual(self.measure([0.5], extra_rounds=0)[0], 0)
 
 
 if __name__ == "__main__":

@@ -151,10 +151,9 @@ def main():
                   f"{'' if cpu is None else f'{cpu:.2f}':>11} {acks:>13,} {retrans:>9,} "
                   f"{'' if depth is None else f'{depth:.1f}':>8} "
                   f"{'' if steal is None else f'{steal * 100:.1f}':>13}")
-    measured_again = ", ".join(f"{name} {count} more" for name, count in extra.items() if count)
-    if measured_again:
-        print(f"\nMeasured again because a round ran at more than {args.steal_limit:g}% steal: {measured_again}. "
-              f"Each row of those workloads shows its {args.rounds} quietest round{'s' if args.rounds != 1 else ''}.")
+    measured_again = {name: count for name, count in extra.items() if count}
+    for line in bench.extra_round_lines(measured_again, args.rounds, args.steal_limit):
+        print(line)
 
 
 if __name__ == "__main__":

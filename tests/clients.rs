@@ -746,29 +746,40 @@ fn fio_verify(server: &Server, uri: &str) {
 /// fio randrw at depth 64 with every block checked by crc32c; `block_sizes` is a fio
 /// `--bs` or `--bsrange` argument.
 fn fio_verify_sizes(server: &Server, uri: &str, block_sizes: &str) {
+    fio_verify_jobs(
+        server,
+        uri,
+        &["--rw=randrw", block_sizes, "--iodepth=64", "--size=64M"],
+    );
+}
+
+/// fio with `job` (its workload, sizes and depth), every block it writes checked by crc32c,
+/// and every job (one connection each) asserted to have written, read and failed nothing.
+fn fio_verify_jobs(server: &Server, uri: &str, job: &[&str]) {
     let dir = tempdir();
     let output = dir.path().join("fio.json");
-    run(Command::new("fio").current_dir(dir.path()).args([
-        "--name=x",
-        "--ioengine=nbd",
-        &format!("--uri={uri}"),
-        "--rw=randrw",
-        block_sizes,
-        "--iodepth=64",
-        "--size=64M",
+    let uri = format!("--uri={uri}");
+    let output_arg = format!("--output={}", output.display());
+    let mut args = vec!["--name=x", "--ioengine=nbd", &uri];
+    args.extend_from_slice(job);
+    args.extend([
         "--verify=crc32c",
         "--do_verify=1",
         "--verify_state_save=0",
         "--output-format=json",
-        &format!("--output={}", output.display()),
-    ]));
+        &output_arg,
+    ]);
+    run(Command::new("fio").current_dir(dir.path()).args(&args));
     let text = std::fs::read_to_string(&output).expect("fio output");
     let report: serde_json::Value = serde_json::from_str(&text).expect("fio JSON");
-    let job = &report["jobs"][0];
-    assert_eq!(job["error"], 0, "{text}");
-    for dir in ["read", "write"] {
-        let bytes = job[dir]["io_bytes"].as_u64().unwrap_or(0);
-        assert!(bytes > 0, "no {dir}s:\n{text}\n{}", server.stderr());
+    let jobs = report["jobs"].as_array().expect("fio jobs");
+    assert!(!jobs.is_empty(), "{text}");
+    for job in jobs {
+        assert_eq!(job["error"], 0, "{text}");
+        for dir in ["read", "write"] {
+            let bytes = job[dir]["io_bytes"].as_u64().unwrap_or(0);
+            assert!(bytes > 0, "no {dir}s:\n{text}\n{}", server.stderr());
+        }
     }
 }
 
@@ -826,6 +837,37 @@ fn fio_verifies_direct_io_files_with_sizes_down_to_one_sector() {
         };
         fio_verify_sizes(&server, &server.uri(), sizes);
     }
+}
+
+/// Four connections write unaligned blocks of 512 bytes to 64 KiB at random into regions
+/// 1,000 bytes apart, so the direct-I/O blocks at each boundary hold two connections' bytes:
+/// their read-modify-writes must lock each other out, or one connection's write undoes
+/// the other's (fio checks every block as it goes and at the end).
+#[test]
+fn fio_verifies_unaligned_direct_writes_from_four_connections_sharing_blocks() {
+    let dir = tempdir();
+    let backing = dir.path().join("disk.img");
+    let args = ["--cache", "none", "--size", "64M", path_str(&backing)];
+    let Some(server) = server_for("fio", &args) else {
+        return;
+    };
+    // 8 MiB regions, each starting 1,000 bytes past the end of the one before.
+    let step = format!("--offset_increment={}", (8 << 20) + 1000);
+    fio_verify_jobs(
+        &server,
+        &server.uri(),
+        &[
+            "--numjobs=4",
+            "--size=8M",
+            &step,
+            "--rw=randwrite",
+            "--bsrange=512-64k",
+            "--bs_unaligned",
+            "--iodepth=16",
+            "--verify_backlog=256",
+            "--verify_fatal=1",
+        ],
+    );
 }
 
 /// Reads of page-cache data of 64 KiB and more are spliced from the file into the socket

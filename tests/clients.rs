@@ -753,8 +753,8 @@ fn fio_verify_sizes(server: &Server, uri: &str, block_sizes: &str) {
     );
 }
 
-/// fio with `job` (its workload, sizes and depth), every block it writes checked by crc32c,
-/// and every job (one connection each) asserted to have written, read and failed nothing.
+/// fio with `job` (its workload, sizes and depth), every block it writes checked by crc32c;
+/// every job (one connection each) must have written and read something, without error.
 fn fio_verify_jobs(server: &Server, uri: &str, job: &[&str]) {
     let dir = tempdir();
     let output = dir.path().join("fio.json");

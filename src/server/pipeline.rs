@@ -826,7 +826,7 @@ impl Pipeline {
         }
         if chunked {
             let mut done = ReplyHeader::new();
-            enc.ok(&mut done);
+            enc.read_done(&mut done);
             self.outq.push_back(Outgoing::new(done, None, 0));
         }
         true
@@ -932,8 +932,10 @@ impl Pipeline {
                         1
                     };
                 if length == 0 {
-                    // Nothing to read: answered as parsed.
-                    self.outq.push_back(status_message(enc, Ok(()), 0));
+                    // Nothing to read: answered as parsed, with a read's reply.
+                    let mut done = ReplyHeader::new();
+                    enc.read_done(&mut done);
+                    self.outq.push_back(Outgoing::new(done, None, 0));
                     return;
                 }
                 if !df && length > STREAM_PIECE && self.stream_cached_read(enc, offset, length) {
@@ -2116,7 +2118,7 @@ mod tests {
             .await
             .unwrap();
         client.write_all(&pattern).await.unwrap();
-        read_exactly(&mut client, 20).await;
+        read_chunk(&mut client).await;
         let before = backend.reads.load(std::sync::atomic::Ordering::SeqCst);
         // 32 adjacent 4 KiB reads across the data and the hole, in one send.
         let batch: Vec<u8> = (0..32u64)
@@ -2204,6 +2206,42 @@ mod tests {
         let (_, _, cookie, _) = read_chunk(client).await;
         assert_eq!(cookie, 8, "a second reply for the write");
         kind
+    }
+
+    /// With structured replies, a write's, a flush's and a trim's success each leave as a
+    /// 16-byte simple reply, while a READ, even of no bytes, gets a chunk.
+    #[tokio::test]
+    async fn successes_without_data_are_simple_replies_and_reads_are_chunks() {
+        let mut client = connect().await;
+        let mut batch = request(cmd::WRITE, 0, 1, 0, 512);
+        batch.extend([7u8; 512]);
+        batch.extend(request(cmd::FLUSH, 0, 2, 0, 0));
+        batch.extend(request(cmd::TRIM, 0, 3, 0, 512));
+        batch.extend(request(cmd::READ, 0, 4, 0, 0));
+        client.write_all(&batch).await.unwrap();
+        // Replies may come in any order; every header starts with 16 bytes.
+        let mut simple = Vec::new();
+        let mut chunks = Vec::new();
+        for _ in 0..4 {
+            let mut header = read_exactly(&mut client, 16).await;
+            match DecodedReply::decode(&header).unwrap() {
+                Some((DecodedReply::Simple { error, cookie }, 16)) => simple.push((cookie, error)),
+                _ => {
+                    header.extend(read_exactly(&mut client, 4).await);
+                    chunks.push(DecodedReply::decode(&header).unwrap().unwrap().0);
+                }
+            }
+        }
+        simple.sort_unstable();
+        assert_eq!(simple, [(1, 0), (2, 0), (3, 0)]);
+        let done_read = DecodedReply::Chunk {
+            flags: reply::FLAG_DONE,
+            kind: reply::TYPE_NONE,
+            cookie: 4,
+            offset: None,
+            payload_len: 0,
+        };
+        assert_eq!(chunks, [done_read], "a READ's reply must be a chunk");
     }
 
     #[tokio::test]
@@ -2788,8 +2826,17 @@ mod tests {
     }
 
     /// Reads one structured reply chunk: its flags, type, cookie and payload.
+    /// The next reply chunk. The success of a command without data comes as a simple
+    /// reply (see `ReplyEncoder::ok`), which this reads as the `NONE` chunk it stands for.
     async fn read_chunk(client: &mut (impl AsyncReadExt + Unpin)) -> (u16, u16, u64, Vec<u8>) {
-        let header = read_exactly(client, 20).await;
+        let mut header = read_exactly(client, 16).await;
+        if let Some((DecodedReply::Simple { error, cookie }, 16)) =
+            DecodedReply::decode(&header).unwrap()
+        {
+            assert_eq!(error, 0, "only successes come as simple replies");
+            return (reply::FLAG_DONE, reply::TYPE_NONE, cookie, Vec::new());
+        }
+        header.extend(read_exactly(client, 4).await);
         let Some((
             DecodedReply::Chunk {
                 flags,
@@ -2821,17 +2868,8 @@ mod tests {
         let write = request(cmd::WRITE, 0, 1, 4096, len as u64);
         client.write_all(&write).await.unwrap();
         client.write_all(&pattern).await.unwrap();
-        let (done, _) = DecodedReply::decode(&read_exactly(&mut client, 20).await)
-            .unwrap()
-            .unwrap();
-        assert!(matches!(
-            done,
-            DecodedReply::Chunk {
-                kind: reply::TYPE_NONE,
-                cookie: 1,
-                ..
-            }
-        ));
+        let (_, kind, cookie, _) = read_chunk(&mut client).await;
+        assert_eq!((kind, cookie), (reply::TYPE_NONE, 1));
 
         let read = request(cmd::READ, 0, 2, 4096, len as u64);
         client.write_all(&read).await.unwrap();

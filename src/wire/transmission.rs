@@ -202,8 +202,21 @@ pub struct ReplyEncoder {
 }
 
 impl ReplyEncoder {
-    /// A success without payload: a simple reply, or a `NONE` chunk marked done.
+    /// The success of a command other than `READ` and `BLOCK_STATUS` (which carry data):
+    /// a simple reply unless extended headers were negotiated. The spec lets a server with
+    /// structured replies answer these either way, and the simple reply is cheaper for the
+    /// client: libnbd reads its 16 bytes in one `recv`, and a 20-byte `NONE` chunk in two.
     pub fn ok(&self, out: &mut impl ReplySink) {
+        match self.style {
+            ReplyStyle::Simple | ReplyStyle::Structured => simple_header(out, 0, self.cookie),
+            ReplyStyle::Extended => self.read_done(out),
+        }
+    }
+
+    /// The end of a successful read whose data went in earlier chunks (or of one with no
+    /// data): a `NONE` chunk marked done. A read's reply must be structured when structured
+    /// replies were negotiated, so only a simple-reply connection gets a simple reply.
+    pub fn read_done(&self, out: &mut impl ReplySink) {
         match self.style {
             ReplyStyle::Simple => simple_header(out, 0, self.cookie),
             style => chunk_header(
@@ -535,23 +548,49 @@ mod tests {
         assert_eq!(trim.payload_len(RequestStyle::Compact), 0);
     }
 
+    /// A success without data is a 16-byte simple reply unless extended headers forbid
+    /// simple replies; the end of a read is a `NONE` chunk unless no chunks were negotiated.
     #[test]
-    fn simple_ok_is_sixteen_bytes() {
-        let mut out = Vec::new();
-        ReplyEncoder {
-            style: ReplyStyle::Simple,
+    fn ok_is_simple_where_allowed_and_read_done_is_a_chunk() {
+        let chunk = |style, cookie| DecodedReply::Chunk {
+            flags: reply::FLAG_DONE,
+            kind: reply::TYPE_NONE,
+            cookie,
+            offset: (style == ReplyStyle::Extended).then_some(5),
+            payload_len: 0,
+        };
+        let simple = DecodedReply::Simple {
+            error: 0,
             cookie: 9,
-            offset: 0,
-        }
-        .ok(&mut out);
-        assert_eq!(out.len(), 16);
-        assert_eq!(
-            DecodedReply::decode(&out).unwrap().unwrap().0,
-            DecodedReply::Simple {
-                error: 0,
-                cookie: 9
+        };
+        for (style, ok, read_done) in [
+            (ReplyStyle::Simple, simple.clone(), simple.clone()),
+            (
+                ReplyStyle::Structured,
+                simple.clone(),
+                chunk(ReplyStyle::Structured, 9),
+            ),
+            (
+                ReplyStyle::Extended,
+                chunk(ReplyStyle::Extended, 9),
+                chunk(ReplyStyle::Extended, 9),
+            ),
+        ] {
+            let enc = ReplyEncoder {
+                style,
+                cookie: 9,
+                offset: 5,
+            };
+            for (encode, expected) in [
+                (ReplyEncoder::ok as fn(&ReplyEncoder, &mut Vec<u8>), ok),
+                (ReplyEncoder::read_done, read_done),
+            ] {
+                let mut out = Vec::new();
+                encode(&enc, &mut out);
+                let (decoded, used) = DecodedReply::decode(&out).unwrap().unwrap();
+                assert_eq!((decoded, used), (expected, out.len()), "{style:?}");
             }
-        );
+        }
     }
 
     #[test]

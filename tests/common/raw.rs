@@ -469,10 +469,14 @@ impl Raw {
                     out.kinds.is_empty() && !out.simple,
                     "simple reply for cookie {cookie:#x} after other replies"
                 );
+                let len = read_len(cookie);
+                assert!(
+                    self.mode == Mode::Simple || len == 0,
+                    "simple reply to a READ of {len} bytes after structured replies"
+                );
                 out.cookie = cookie;
                 out.simple = true;
                 out.error = error;
-                let len = read_len(cookie);
                 if error == 0 && len > 0 {
                     out.data = self.read_n(len)?;
                 }

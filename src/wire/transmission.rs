@@ -552,10 +552,10 @@ mod tests {
     /// simple replies; the end of a read is a `NONE` chunk unless no chunks were negotiated.
     #[test]
     fn ok_is_simple_where_allowed_and_read_done_is_a_chunk() {
-        let chunk = |style, cookie| DecodedReply::Chunk {
+        let chunk = |style| DecodedReply::Chunk {
             flags: reply::FLAG_DONE,
             kind: reply::TYPE_NONE,
-            cookie,
+            cookie: 9,
             offset: (style == ReplyStyle::Extended).then_some(5),
             payload_len: 0,
         };
@@ -568,12 +568,12 @@ mod tests {
             (
                 ReplyStyle::Structured,
                 simple.clone(),
-                chunk(ReplyStyle::Structured, 9),
+                chunk(ReplyStyle::Structured),
             ),
             (
                 ReplyStyle::Extended,
-                chunk(ReplyStyle::Extended, 9),
-                chunk(ReplyStyle::Extended, 9),
+                chunk(ReplyStyle::Extended),
+                chunk(ReplyStyle::Extended),
             ),
         ] {
             let enc = ReplyEncoder {

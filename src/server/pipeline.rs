@@ -2825,9 +2825,9 @@ mod tests {
         client
     }
 
-    /// Reads one structured reply chunk: its flags, type, cookie and payload.
-    /// The next reply chunk. The success of a command without data comes as a simple
-    /// reply (see `ReplyEncoder::ok`), which this reads as the `NONE` chunk it stands for.
+    /// Reads the next reply chunk: its flags, type, cookie and payload. The success of a
+    /// command without data comes as a simple reply (see `ReplyEncoder::ok`), which this
+    /// reads as the `NONE` chunk it stands for.
     async fn read_chunk(client: &mut (impl AsyncReadExt + Unpin)) -> (u16, u16, u64, Vec<u8>) {
         let mut header = read_exactly(client, 16).await;
         if let Some((DecodedReply::Simple { error, cookie }, 16)) =

@@ -209,6 +209,7 @@ impl ReplyEncoder {
     pub fn ok(&self, out: &mut impl ReplySink) {
         match self.style {
             ReplyStyle::Simple | ReplyStyle::Structured => simple_header(out, 0, self.cookie),
+            // Extended headers allow no simple reply: the chunk that ends a read.
             ReplyStyle::Extended => self.read_done(out),
         }
     }

@@ -825,9 +825,7 @@ impl Pipeline {
             start += piece;
         }
         if chunked {
-            let mut done = ReplyHeader::new();
-            enc.read_done(&mut done);
-            self.outq.push_back(Outgoing::new(done, None, 0));
+            self.outq.push_back(read_done_message(enc));
         }
         true
     }
@@ -933,9 +931,7 @@ impl Pipeline {
                     };
                 if length == 0 {
                     // Nothing to read: answered as parsed, with a read's reply.
-                    let mut done = ReplyHeader::new();
-                    enc.read_done(&mut done);
-                    self.outq.push_back(Outgoing::new(done, None, 0));
+                    self.outq.push_back(read_done_message(enc));
                     return;
                 }
                 if !df && length > STREAM_PIECE && self.stream_cached_read(enc, offset, length) {
@@ -1481,6 +1477,13 @@ fn status_message(enc: ReplyEncoder, result: Result<(), BackendError>, release: 
         Err(e) => return error_message(enc, &e, release),
     }
     Outgoing::new(header, None, release)
+}
+
+/// The message that ends a successful read after its data chunks (or one of no bytes).
+fn read_done_message(enc: ReplyEncoder) -> Outgoing {
+    let mut header = ReplyHeader::new();
+    enc.read_done(&mut header);
+    Outgoing::new(header, None, 0)
 }
 
 /// The message that reports a backend error, logged.

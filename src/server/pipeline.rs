@@ -2226,13 +2226,9 @@ mod tests {
         let mut simple = Vec::new();
         let mut chunks = Vec::new();
         for _ in 0..4 {
-            let mut header = read_exactly(&mut client, 16).await;
-            match DecodedReply::decode(&header).unwrap() {
-                Some((DecodedReply::Simple { error, cookie }, 16)) => simple.push((cookie, error)),
-                _ => {
-                    header.extend(read_exactly(&mut client, 4).await);
-                    chunks.push(DecodedReply::decode(&header).unwrap().unwrap().0);
-                }
+            match read_reply_header(&mut client).await {
+                DecodedReply::Simple { error, cookie } => simple.push((cookie, error)),
+                chunk => chunks.push(chunk),
             }
         }
         simple.sort_unstable();
@@ -2832,29 +2828,35 @@ mod tests {
     /// command without data comes as a simple reply (see `ReplyEncoder::ok`), which this
     /// reads as the `NONE` chunk it stands for.
     async fn read_chunk(client: &mut (impl AsyncReadExt + Unpin)) -> (u16, u16, u64, Vec<u8>) {
-        let mut header = read_exactly(client, 16).await;
-        if let Some((DecodedReply::Simple { error, cookie }, 16)) =
-            DecodedReply::decode(&header).unwrap()
-        {
-            assert_eq!(error, 0, "only successes come as simple replies");
-            return (reply::FLAG_DONE, reply::TYPE_NONE, cookie, Vec::new());
-        }
-        header.extend(read_exactly(client, 4).await);
-        let Some((
+        match read_reply_header(client).await {
+            DecodedReply::Simple { error, cookie } => {
+                assert_eq!(error, 0, "only successes come as simple replies");
+                (reply::FLAG_DONE, reply::TYPE_NONE, cookie, Vec::new())
+            }
             DecodedReply::Chunk {
                 flags,
                 kind,
                 cookie,
                 payload_len,
                 ..
-            },
-            _,
-        )) = DecodedReply::decode(&header).unwrap()
-        else {
-            panic!("structured chunk expected")
-        };
-        let payload = read_exactly(client, payload_len as usize).await;
-        (flags, kind, cookie, payload)
+            } => {
+                let payload = read_exactly(client, payload_len as usize).await;
+                (flags, kind, cookie, payload)
+            }
+        }
+    }
+
+    /// Reads the next reply's header on a connection with structured replies: 16 bytes,
+    /// and 4 more unless they are a whole simple reply.
+    async fn read_reply_header(client: &mut (impl AsyncReadExt + Unpin)) -> DecodedReply {
+        let mut header = read_exactly(client, 16).await;
+        if let Some((simple @ DecodedReply::Simple { .. }, 16)) =
+            DecodedReply::decode(&header).unwrap()
+        {
+            return simple;
+        }
+        header.extend(read_exactly(client, 4).await);
+        DecodedReply::decode(&header).unwrap().unwrap().0
     }
 
     async fn read_exactly(client: &mut (impl AsyncReadExt + Unpin), n: usize) -> Vec<u8> {

@@ -1,5 +1,6 @@
 //! Exporting a real block device (a loop device over a temporary file): its size comes
-//! from the device, and writes, zeroing and discard reach the device's bytes.
+//! from the device, and writes, zeroing and discard reach the device's bytes; a device
+//! that fails writeback fails every FLUSH after it.
 
 mod common;
 
@@ -21,6 +22,116 @@ impl LoopDevice {
 impl Drop for LoopDevice {
     fn drop(&mut self) {
         let _ = Command::new("losetup").arg("-d").arg(&self.0).status();
+    }
+}
+
+/// A tmpfs of `size` mounted on a directory, unmounted on drop.
+struct Tmpfs(PathBuf);
+
+impl Tmpfs {
+    fn mount(on: &Path, size: &str) -> Tmpfs {
+        run(Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(on));
+        Tmpfs(on.to_path_buf())
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        // Lazily: a loop device just detached may still hold its file for a moment.
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+/// A device that fails writes: a loop device over a 64 MiB sparse file on a tmpfs of
+/// 8 MiB, so that writing back more than 8 MiB of its page cache fails.
+struct FailingDevice {
+    // Fields drop in order: the device goes before its file system.
+    device: LoopDevice,
+    _space: Tmpfs,
+    _dir: tempfile::TempDir,
+}
+
+impl FailingDevice {
+    fn new() -> FailingDevice {
+        let dir = tempfile::tempdir().unwrap();
+        let space = Tmpfs::mount(dir.path(), "8m");
+        let backing = dir.path().join("backing.img");
+        std::fs::File::create(&backing)
+            .unwrap()
+            .set_len(64 << 20)
+            .unwrap();
+        FailingDevice {
+            device: LoopDevice::attach(&backing),
+            _space: space,
+            _dir: dir,
+        }
+    }
+}
+
+/// Writes 16 MiB into the export's page cache, lets `before` make the writeback fail,
+/// then sends the FLUSHes and the FUA write `steps` name, two FLUSHes and a read on a
+/// second connection, and prints what each came to.
+const WRITEBACK_FAILS: &str = r#"
+import nbd, subprocess, sys
+uri, steps = sys.argv[1], sys.argv[2:]
+h = nbd.NBD()
+h.connect_uri(uri)
+for i in range(16):
+    h.pwrite(b"\xab" * (1 << 20), i << 20)
+def attempt(name, call):
+    try:
+        call()
+        print(name, "ok")
+    except nbd.Error as e:
+        print(name, "EIO" if "(EIO)" in str(e) else e)
+for step in steps:
+    if step == "sync":
+        subprocess.run(["sync"], check=True)
+    elif step == "fua":
+        attempt("fua", lambda: h.pwrite(b"\xcd" * 4096, 40 << 20, nbd.CMD_FLAG_FUA))
+    else:
+        attempt("flush", h.flush)
+other = nbd.NBD()
+other.connect_uri(uri)
+attempt("other-flush", other.flush)
+attempt("other-flush", other.flush)
+print("read", other.pread(4096, 0)[:2].hex())
+"#;
+
+/// Linux reports a failed writeback to a file once, and the next `fdatasync` succeeds with
+/// the data lost; so in page-cache mode, once a sync failed, every FLUSH on the export
+/// fails, on every connection, whether the failure came to a FLUSH or to a FUA write's own
+/// sync (here after `sync(1)` made the kernel's writeback fail). Reads still work.
+#[test]
+fn a_failed_page_cache_sync_fails_every_flush_after_it() {
+    if !have("losetup") || !have("mount") {
+        return;
+    }
+    for (steps, expected) in [
+        (
+            &["flush", "flush"][..],
+            "flush EIO\nflush EIO\nother-flush EIO\nother-flush EIO\nread abab\n",
+        ),
+        (
+            &["sync", "fua", "flush"][..],
+            "fua EIO\nflush EIO\nother-flush EIO\nother-flush EIO\nread abab\n",
+        ),
+    ] {
+        let failing = FailingDevice::new();
+        let server = Server::start(&["--cache=writeback", failing.device.0.to_str().unwrap()]);
+        let uri = server.uri();
+        let mut args = vec![uri.as_str()];
+        args.extend_from_slice(steps);
+        assert_eq!(python(WRITEBACK_FAILS, &args), expected, "{steps:?}");
+        assert!(
+            server
+                .stderr()
+                .contains("every FLUSH on this export fails from now on"),
+            "{}",
+            server.stderr()
+        );
     }
 }
 

@@ -7,13 +7,14 @@
 //! whole blocks are read-modify-written under a range lock ([`super::range_lock`]). TRIM
 //! punches holes, WRITE_ZEROES uses `fallocate`, block status comes from
 //! `SEEK_DATA`/`SEEK_HOLE`, FUA writes use `RWF_DSYNC`, and FLUSH syncs only when a write
-//! completed since the last sync.
+//! completed since the last sync (and in writeback mode fails for good once a sync failed:
+//! [`LostWriteback`]).
 
 use std::fs::{File, OpenOptions};
 use std::io::{Seek, SeekFrom};
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
@@ -68,6 +69,7 @@ pub struct FileBackend {
     mapping: Option<Arc<Mapping>>,
     locks: RangeLocks,
     dirty: Arc<DirtyTracker>,
+    lost: LostWriteback,
     behind: Arc<WriteBehind>,
     /// Non-blocking page-cache reads tried, for tests that count them.
     #[cfg(test)]
@@ -147,6 +149,45 @@ impl DirtyTracker {
     /// Records that a sync covering `target` completed.
     fn synced(&self, target: u64) {
         self.synced.fetch_max(target, Ordering::AcqRel);
+    }
+}
+
+/// In writeback mode, the first sync of the page cache that failed: from then on every FLUSH
+/// fails with its error, until the export is opened again.
+///
+/// Why: Linux reports a failed writeback to each open file once. The pages that could not
+/// be written are marked clean, so the next `fdatasync` has nothing to write and succeeds,
+/// although data acknowledged before it never reached the device (PostgreSQL's "fsyncgate",
+/// 2018). A FLUSH answered with success then would promise what is lost. qemu's file driver
+/// does the same (`page_cache_inconsistent`); nbdkit's file plugin, measured on a loop
+/// device over a full tmpfs, answers the FLUSH after a failed one with success.
+///
+/// What counts: a failed `fdatasync` (FLUSH, a FUA trim or zeroing) and a failed FUA write,
+/// whose `RWF_DSYNC` sync takes the file's error the same way. The errno of a FUA write
+/// cannot tell a sync that failed from a copy into the page cache that failed (a full file
+/// system), so either stops FLUSH. Direct I/O keeps no data in the page cache, so there a
+/// failed sync can be tried again (`--cache=none`).
+#[derive(Default)]
+struct LostWriteback {
+    /// The errno of the first failed sync; 0 while none has failed.
+    errno: AtomicI32,
+}
+
+impl LostWriteback {
+    /// Records the failure `error`; returns whether it is the first.
+    fn record(&self, error: &std::io::Error) -> bool {
+        let errno = error.raw_os_error().unwrap_or(libc::EIO);
+        self.errno
+            .compare_exchange(0, errno, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
+    /// The error every FLUSH fails with, once a sync failed.
+    fn error(&self) -> Option<std::io::Error> {
+        match self.errno.load(Ordering::Acquire) {
+            0 => None,
+            errno => Some(std::io::Error::from_raw_os_error(errno)),
+        }
     }
 }
 
@@ -281,6 +322,7 @@ impl FileBackend {
             mapping,
             locks: RangeLocks::default(),
             dirty: Arc::new(DirtyTracker::default()),
+            lost: LostWriteback::default(),
             behind: Arc::new(WriteBehind::new()),
             #[cfg(test)]
             nowait_tries: AtomicU64::new(0),
@@ -368,7 +410,12 @@ impl FileBackend {
                     flags,
                 )
                 .await
-                .map_err(|e| BackendError::io("write", offset, length, e))?;
+                .map_err(|e| {
+                    if fua {
+                        self.sync_failed(&e);
+                    }
+                    BackendError::io("write", offset, length, e)
+                })?;
             if n == 0 {
                 return Err(BackendError::io(
                     "write",
@@ -491,13 +538,26 @@ impl FileBackend {
         fua: bool,
     ) -> Result<(), BackendError> {
         if fua {
-            self.ring
-                .fsync(&self.file, true)
-                .await
-                .map_err(|e| BackendError::io(op, offset, length, e))
+            self.ring.fsync(&self.file, true).await.map_err(|e| {
+                self.sync_failed(&e);
+                BackendError::io(op, offset, length, e)
+            })
         } else {
             self.dirty.mark();
             Ok(())
+        }
+    }
+
+    /// A sync (or a FUA write) failed with `error`: in writeback mode, FLUSH fails from now
+    /// on ([`LostWriteback`]).
+    fn sync_failed(&self, error: &std::io::Error) {
+        if self.cache == CacheMode::Writeback && self.lost.record(error) {
+            tracing::error!(
+                "{}: a sync of the page cache failed ({error}): writes acknowledged before it \
+                 may not be on the device, and the kernel reports that only once, so every \
+                 FLUSH on this export fails from now on; check the device, then restart",
+                self.path.display()
+            );
         }
     }
 
@@ -737,13 +797,16 @@ impl Backend for FileBackend {
             if self.cache == CacheMode::Writeback {
                 self.behind.flush_seen();
             }
+            if let Some(lost) = self.lost.error() {
+                return Err(BackendError::io("flush", 0, 0, lost));
+            }
             let Some(target) = self.dirty.sync_target() else {
                 return Ok(());
             };
-            self.ring
-                .fsync(&self.file, true)
-                .await
-                .map_err(|e| BackendError::io("flush", 0, 0, e))?;
+            self.ring.fsync(&self.file, true).await.map_err(|e| {
+                self.sync_failed(&e);
+                BackendError::io("flush", 0, 0, e)
+            })?;
             self.dirty.synced(target);
             Ok(())
         })
@@ -1174,6 +1237,20 @@ mod tests {
             assert_eq!(b.read_at_once(512, 512).map(|r| r.is_ok()), Some(true));
             assert_eq!(tries(), 2);
         });
+    }
+
+    #[test]
+    fn lost_writeback_keeps_the_first_failure() {
+        let lost = LostWriteback::default();
+        assert!(lost.error().is_none());
+        assert!(lost.record(&std::io::Error::from_raw_os_error(libc::ENOSPC)));
+        assert!(!lost.record(&std::io::Error::from_raw_os_error(libc::EIO)));
+        assert!(!lost.record(&std::io::Error::other("no errno")));
+        assert_eq!(lost.error().unwrap().raw_os_error(), Some(libc::ENOSPC));
+        // An error without an errno counts as EIO.
+        let other = LostWriteback::default();
+        assert!(other.record(&std::io::Error::other("no errno")));
+        assert_eq!(other.error().unwrap().raw_os_error(), Some(libc::EIO));
     }
 
     #[test]

@@ -18,6 +18,10 @@
 //! only to extents that are in the log on disk ([`Metadata::activate`] fdatasyncs first),
 //! and an extent leaves the log only after its bitmap bits are on disk. Opening metadata
 //! that was not closed cleanly marks every logged extent out of sync.
+//!
+//! The invariant holds only while every write and sync succeeds, so the first one that
+//! fails stops the metadata: it takes no more changes, and no more extents are entered in
+//! the log, so writes to the data stop too, until the node restarts ([`MetaError::Stopped`]).
 
 use std::collections::BTreeSet;
 use std::fs::{File, OpenOptions};
@@ -83,6 +87,15 @@ pub enum MetaError {
         found: u64,
         expected: u64,
     },
+    /// An earlier write or sync of this file failed, so what it holds on disk is not known
+    /// (a failed sync may have lost records, and the kernel reports that only once): the
+    /// metadata takes no more changes until the node restarts and reads it again.
+    #[error("metadata {path}: stopped since {op} failed ({source}); restart the node")]
+    Stopped {
+        path: PathBuf,
+        op: &'static str,
+        source: std::io::Error,
+    },
     #[error("the activity log is full of extents with writes in flight")]
     ActivityLogBusy,
     /// Room in the log needs an extent evicted whose last writes are not yet known to be
@@ -136,6 +149,9 @@ pub struct Metadata {
     dirty_pages: BTreeSet<(usize, u64)>,
     /// Extents the log held when metadata that was not closed cleanly was opened.
     recovered_extents: usize,
+    /// The first write or sync that failed, as (what was being done, errno): the metadata
+    /// is stopped ([`MetaError::Stopped`]).
+    failed: Option<(&'static str, i32)>,
 }
 
 impl Metadata {
@@ -225,6 +241,7 @@ impl Metadata {
             bitmap_bytes,
             dirty_pages: BTreeSet::new(),
             recovered_extents: 0,
+            failed: None,
         };
         // Both slots, so a torn first update still finds a valid superblock.
         metadata.write_superblock()?;
@@ -306,6 +323,7 @@ impl Metadata {
             bitmap_bytes,
             dirty_pages: BTreeSet::new(),
             recovered_extents: 0,
+            failed: None,
         };
         if !was_clean {
             let extents = metadata.al_extents.clone();
@@ -349,10 +367,42 @@ impl Metadata {
         self.superblock_seq += 1;
         let record = encode_superblock(self.superblock_seq, &self.superblock);
         let slot = self.superblock_seq % 2;
-        self.file
-            .write_all_at(&record, slot * RECORD_SIZE)
-            .map_err(io_err(&self.path, "writing the superblock"))?;
-        self.file.sync_data().map_err(io_err(&self.path, "syncing"))
+        self.disk("writing the superblock", |file| {
+            file.write_all_at(&record, slot * RECORD_SIZE)
+        })?;
+        self.sync()
+    }
+
+    /// Runs `io` on the file, unless an earlier write or sync failed; a failure of this
+    /// one stops the metadata (see [`MetaError::Stopped`]).
+    fn disk<T>(
+        &mut self,
+        op: &'static str,
+        io: impl FnOnce(&File) -> std::io::Result<T>,
+    ) -> Result<T, MetaError> {
+        self.usable()?;
+        io(&self.file).map_err(|source| {
+            let errno = source.raw_os_error().unwrap_or(libc::EIO);
+            self.failed = Some((op, errno));
+            tracing::error!(
+                "metadata {}: {op} failed ({source}): stopped, no more writes until the \
+                 node restarts",
+                self.path.display()
+            );
+            io_err(&self.path, op)(source)
+        })
+    }
+
+    /// Fails with [`MetaError::Stopped`] once a write or sync of the file has failed.
+    fn usable(&self) -> Result<(), MetaError> {
+        match self.failed {
+            None => Ok(()),
+            Some((op, errno)) => Err(MetaError::Stopped {
+                path: self.path.clone(),
+                op,
+                source: std::io::Error::from_raw_os_error(errno),
+            }),
+        }
     }
 
     // ---- activity log ----
@@ -376,6 +426,8 @@ impl Metadata {
     /// [`MetaError::ActivityLogBusy`] means: wait for writes to finish, retry;
     /// [`MetaError::ActivityLogNeedsFlush`]: flush everywhere, retry.
     pub fn activate(&mut self, extents: std::ops::RangeInclusive<u64>) -> Result<(), MetaError> {
+        // Extents entered in memory whose log record failed are not in the log on disk.
+        self.usable()?;
         let missing: Vec<u64> = extents
             .clone()
             .filter(|e| !self.al_extents.contains(e))
@@ -442,6 +494,7 @@ impl Metadata {
         &mut self,
         extents: &std::ops::RangeInclusive<u64>,
     ) -> Result<(), MetaError> {
+        self.usable()?;
         let missing = extents
             .clone()
             .filter(|e| !self.al_extents.contains(e))
@@ -501,10 +554,10 @@ impl Metadata {
         self.al_seq += 1;
         let record = encode_activity_log(self.al_seq, &self.al_extents);
         let offset = AL_OFFSET + (self.al_seq % AL_RING) * RECORD_SIZE;
-        self.file
-            .write_all_at(&record, offset)
-            .map_err(io_err(&self.path, "writing the activity log"))?;
-        self.file.sync_data().map_err(io_err(&self.path, "syncing"))
+        self.disk("writing the activity log", |file| {
+            file.write_all_at(&record, offset)
+        })?;
+        self.sync()
     }
 
     // ---- bitmap ----
@@ -650,9 +703,9 @@ impl Metadata {
             .flat_map(|w| w.to_le_bytes())
             .collect();
         let offset = BITMAP_OFFSET + peer as u64 * self.bitmap_bytes + page * BITMAP_PAGE;
-        self.file
-            .write_all_at(&bytes, offset)
-            .map_err(io_err(&self.path, "writing the bitmap"))
+        self.disk("writing the bitmap", |file| {
+            file.write_all_at(&bytes, offset)
+        })
     }
 
     fn flush_bitmap_extent(&mut self, extent: u64) -> Result<(), MetaError> {
@@ -675,8 +728,8 @@ impl Metadata {
         self.sync()
     }
 
-    fn sync(&self) -> Result<(), MetaError> {
-        self.file.sync_data().map_err(io_err(&self.path, "syncing"))
+    fn sync(&mut self) -> Result<(), MetaError> {
+        self.disk("syncing", File::sync_data)
     }
 }
 
@@ -882,6 +935,45 @@ mod tests {
         assert!(metadata.is_out_of_sync(0, 3));
         assert_eq!(metadata.out_of_sync_regions(0), 1);
         assert_eq!(metadata.recovered_extents(), 0);
+    }
+
+    /// After a write of the file fails (here: the file swapped for a read-only handle, so
+    /// the kernel refuses the next write), nothing more is entered in the log, not even an
+    /// extent the failed record was to add, and no other change is taken.
+    #[test]
+    fn the_first_failed_write_stops_the_metadata() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, mut metadata) = fresh(&dir);
+        metadata.activate(0..=0).unwrap();
+        metadata.file = File::open(&path).unwrap();
+        let first = metadata.activate(5..=5).unwrap_err();
+        assert!(
+            matches!(
+                first,
+                MetaError::Io {
+                    op: "writing the activity log",
+                    ..
+                }
+            ),
+            "{first}"
+        );
+        let stopped = |result: Result<(), MetaError>| match result {
+            Err(MetaError::Stopped { op, source, .. }) => {
+                assert_eq!(op, "writing the activity log");
+                assert_eq!(source.raw_os_error(), Some(libc::EBADF));
+            }
+            other => panic!("{other:?}"),
+        };
+        // Extent 5 is in the log in memory, not on disk: a write there must not go ahead.
+        stopped(metadata.activate(5..=5));
+        stopped(metadata.activate(0..=0));
+        stopped(metadata.make_room_marking_out_of_sync(&(9..=9)));
+        stopped(metadata.update(|sb| sb.primary = true));
+        metadata.mark_out_of_sync(0, 0, 10);
+        stopped(metadata.flush_bitmap());
+        drop(metadata);
+        let reopened = Metadata::open(&path).unwrap();
+        assert_eq!(reopened.logged_extents(), &[0]);
     }
 
     #[test]

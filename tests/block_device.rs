@@ -6,6 +6,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
 use common::*;
 
@@ -120,18 +121,22 @@ fn a_failed_page_cache_sync_fails_every_flush_after_it() {
         ),
     ] {
         let failing = FailingDevice::new();
-        let server = Server::start(&["--cache=writeback", failing.device.0.to_str().unwrap()]);
+        let mut server = Server::start(&["--cache=writeback", failing.device.0.to_str().unwrap()]);
         let uri = server.uri();
         let mut args = vec![uri.as_str()];
         args.extend_from_slice(steps);
         assert_eq!(python(WRITEBACK_FAILS, &args), expected, "{steps:?}");
-        assert!(
-            server
-                .stderr()
-                .contains("every FLUSH on this export fails from now on"),
-            "{}",
-            server.stderr()
-        );
+        // Stopped, the server says that its final flush failed, in its exit status too.
+        server.signal("TERM");
+        let status = server.wait_exit(Duration::from_secs(30)).unwrap();
+        let log = server.stderr();
+        assert!(!status.success(), "{log}");
+        for said in [
+            "every FLUSH on this export fails from now on",
+            "the final flush failed for export \"\"",
+        ] {
+            assert!(log.contains(said), "{said:?} not in:\n{log}");
+        }
     }
 }
 

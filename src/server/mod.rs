@@ -27,7 +27,7 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{mpsc, watch};
-use tracing::{info, warn, Instrument};
+use tracing::{error, info, warn, Instrument};
 
 use crate::backend::uring::LoneThread;
 use crate::backend::Backend;
@@ -132,9 +132,11 @@ pub async fn serve_on(
         let _ = task.await;
     }
     let _ = alive_rx.recv().await;
+    let mut unflushed = Vec::new();
     for export in &config.exports {
         if let Err(e) = export.backend.flush().await {
-            warn!(export = %export.name, "final flush failed: {e}");
+            error!(export = %export.name, "final flush failed: {e}");
+            unflushed.push(format!("{:?}", export.name));
         }
     }
     for path in unix_paths {
@@ -143,6 +145,15 @@ pub async fn serve_on(
     if let Some(threads) = threads {
         // Joining the threads blocks; every connection on them has ended.
         let _ = tokio::task::spawn_blocking(move || drop(threads)).await;
+    }
+    if !unflushed.is_empty() {
+        // An exit status for whoever runs the server: data written since the last FLUSH
+        // that succeeded may not be on the device.
+        anyhow::bail!(
+            "the final flush failed for export {}: data written since its last successful \
+             FLUSH may not be on the device",
+            unflushed.join(", ")
+        );
     }
     info!("stopped");
     Ok(())

@@ -1,6 +1,7 @@
 //! Exporting a real block device (a loop device over a temporary file): its size comes
 //! from the device, and writes, zeroing and discard reach the device's bytes; a device
-//! that fails writeback fails every FLUSH after it.
+//! that fails writeback fails every FLUSH after it, and a replicated node on it leaves its
+//! metadata for a resync.
 
 mod common;
 
@@ -196,4 +197,68 @@ fn a_loop_device_exports_its_size_and_takes_writes_zeroes_and_discards() {
     let actual = read_all(&backing);
     assert_eq!(actual[..4 << 20], expected[..4 << 20]);
     assert_eq!(actual[5 << 20..], expected[5 << 20..]);
+}
+
+/// A replicated node whose disk fails writeback: its FLUSHes fail, and its stop exits 1
+/// and leaves the metadata marked in use, so that the next start marks the extents of the
+/// activity log out of sync (the writes in them may never have reached this disk) instead
+/// of trusting a clean close.
+#[test]
+fn a_node_whose_final_flush_fails_leaves_its_extents_for_resync() {
+    if !have("losetup") || !have("mount") {
+        return;
+    }
+    let failing = FailingDevice::new();
+    let dir = tempfile::tempdir().unwrap();
+    let port = |_| {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    };
+    let [alpha_port, beta_port] = [0, 1].map(port);
+    let config = dir.path().join("r0.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[resource]\nname = \"r0\"\nsize = \"64M\"\npeer_timeout = \"1s\"\n\
+             [[node]]\nname = \"alpha\"\nreplication = \"127.0.0.1:{alpha_port}\"\n\
+             listen = \"127.0.0.1:0\"\nbacking = \"{device}\"\ncache = \"writeback\"\n\
+             metadata = \"{dir}/alpha.meta\"\n\
+             [[node]]\nname = \"beta\"\nreplication = \"127.0.0.1:{beta_port}\"\n\
+             listen = \"127.0.0.1:0\"\nbacking = \"memory:64M\"\nmetadata = \"{dir}/beta.meta\"\n",
+            device = failing.device.0.display(),
+            dir = dir.path().display(),
+        ),
+    )
+    .unwrap();
+    let args: Vec<String> = ["--config", config.to_str().unwrap(), "--node", "alpha"]
+        .map(String::from)
+        .to_vec();
+    let mut primary = args.clone();
+    primary.push("--primary".into());
+    let mut node = Server::start_expecting(&primary, 1);
+    let uri = node.uri();
+    assert_eq!(
+        python(WRITEBACK_FAILS, &[&uri, "flush"]),
+        "flush EIO\nother-flush EIO\nother-flush EIO\nread abab\n"
+    );
+    node.signal("TERM");
+    let status = node.wait_exit(Duration::from_secs(30)).unwrap();
+    let log = node.stderr();
+    assert!(!status.success(), "{log}");
+    assert!(log.contains("metadata left marked in use"), "{log}");
+    assert!(!log.contains("metadata closed cleanly"), "{log}");
+
+    // The 16 MiB written are the activity log's first four extents of 4 MiB.
+    let mut again = Server::start_expecting(&args, 1);
+    let log = again.stderr();
+    assert!(
+        log.contains("the last shutdown was not clean: 4 hot extents marked out of sync"),
+        "{log}"
+    );
+    again.signal("TERM");
+    let status = again.wait_exit(Duration::from_secs(30)).unwrap();
+    assert!(status.success(), "{}", again.stderr());
 }

@@ -139,8 +139,15 @@ impl Node {
         let _ = replication.await;
         let _ = control.await;
         tokio::time::sleep(Duration::from_millis(50)).await;
-        self.shared.close();
-        info!("metadata closed cleanly");
+        if result.is_ok() {
+            self.shared.close();
+            info!("metadata closed cleanly");
+        } else {
+            // Writes since the last flush that succeeded may not be on this node's disk:
+            // left marked in use, the metadata has the next start mark every extent in the
+            // activity log out of sync, so a resync covers them.
+            warn!("the final flush failed: metadata left marked in use, the next start resyncs the logged extents");
+        }
         result
     }
 }

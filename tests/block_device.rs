@@ -72,9 +72,10 @@ impl FailingDevice {
     }
 }
 
-/// Writes 16 MiB into the export's page cache, lets `before` make the writeback fail,
-/// then sends the FLUSHes and the FUA write `steps` name, two FLUSHes and a read on a
-/// second connection, and prints what each came to.
+/// Writes 16 MiB into the export's page cache, then runs the `steps` given after the URI
+/// (`sync`: `sync(1)`, which makes the kernel's writeback fail; `fua`: a 4 KiB FUA write;
+/// `flush`), then two FLUSHes and a read on a second connection, printing what each came
+/// to.
 const WRITEBACK_FAILS: &str = r#"
 import nbd, subprocess, sys
 uri, steps = sys.argv[1], sys.argv[2:]
@@ -210,14 +211,10 @@ fn a_node_whose_final_flush_fails_leaves_its_extents_for_resync() {
     }
     let failing = FailingDevice::new();
     let dir = tempfile::tempdir().unwrap();
-    let port = |_| {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port()
-    };
-    let [alpha_port, beta_port] = [0, 1].map(port);
+    // Two distinct free ports for the nodes' replication addresses (beta never starts).
+    let taken = [0, 1].map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap());
+    let [alpha_port, beta_port] = taken.each_ref().map(|l| l.local_addr().unwrap().port());
+    drop(taken);
     let config = dir.path().join("r0.toml");
     std::fs::write(
         &config,

@@ -29,6 +29,10 @@ pub struct Status {
     pub bitmap_generation: String,
     /// Bytes that some peer misses.
     pub out_of_sync_bytes: u64,
+    /// Why the metadata stopped taking changes (a write or sync of it failed), if it did:
+    /// writes fail until the node restarts.
+    #[serde(default)]
+    pub metadata_stopped: Option<String>,
     pub peers: Vec<PeerStatus>,
 }
 
@@ -73,7 +77,7 @@ pub struct Reply {
 impl Shared {
     /// This node's status.
     pub fn status(&self) -> Status {
-        let (disk, generations, out_of_sync_bytes, per_peer) = {
+        let (disk, generations, out_of_sync_bytes, per_peer, metadata_stopped) = {
             let meta = self.meta();
             let sb = meta.superblock();
             let per_peer: Vec<u64> = (0..self.peers.len())
@@ -84,6 +88,7 @@ impl Shared {
                 sb.generations,
                 meta.out_of_sync_bytes_for_any(),
                 per_peer,
+                meta.stopped().map(|e| e.to_string()),
             )
         };
         let peers = self
@@ -139,6 +144,7 @@ impl Shared {
             generation: format!("{:#018x}", generations.current),
             bitmap_generation: format!("{:#018x}", generations.bitmap),
             out_of_sync_bytes,
+            metadata_stopped,
             peers,
         }
     }
@@ -366,6 +372,9 @@ pub fn render(status: &Status) -> String {
         status.generation,
         status.out_of_sync_bytes
     );
+    if let Some(why) = &status.metadata_stopped {
+        text.push_str(&format!("  writes stopped: {why}\n"));
+    }
     for peer in &status.peers {
         text.push_str(&format!(
             "  peer {}: {}, {} bytes out of sync",

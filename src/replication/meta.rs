@@ -393,6 +393,18 @@ impl Metadata {
         })
     }
 
+    /// Why the metadata stopped ([`MetaError::Stopped`]), once a write or sync has failed.
+    pub fn stopped(&self) -> Option<MetaError> {
+        self.usable().err()
+    }
+
+    /// Makes every later write of the file fail as a failing disk would: the file is
+    /// swapped for a read-only handle, so the kernel refuses writes (EBADF).
+    #[cfg(test)]
+    pub fn refuse_writes(&mut self) {
+        self.file = File::open(&self.path).unwrap();
+    }
+
     /// Fails with [`MetaError::Stopped`] once a write or sync of the file has failed.
     fn usable(&self) -> Result<(), MetaError> {
         match self.failed {
@@ -945,7 +957,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (path, mut metadata) = fresh(&dir);
         metadata.activate(0..=0).unwrap();
-        metadata.file = File::open(&path).unwrap();
+        assert!(metadata.stopped().is_none());
+        metadata.refuse_writes();
         let first = metadata.activate(5..=5).unwrap_err();
         assert!(
             matches!(
@@ -971,6 +984,7 @@ mod tests {
         stopped(metadata.update(|sb| sb.primary = true));
         metadata.mark_out_of_sync(0, 0, 10);
         stopped(metadata.flush_bitmap());
+        stopped(metadata.stopped().map_or(Ok(()), Err));
         drop(metadata);
         let reopened = Metadata::open(&path).unwrap();
         assert_eq!(reopened.logged_extents(), &[0]);

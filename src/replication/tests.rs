@@ -250,6 +250,42 @@ async fn a_local_read_error_is_served_by_the_peer_and_rewritten_locally() {
     let _ = pair.stop.send(true);
 }
 
+/// Once a write of the metadata fails, the primary takes no more writes, not even to an
+/// extent already in the log, and `netblk status` says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_metadata_write_stops_writes_and_status_says_so() {
+    let pair = pair("C", Arc::new(MemoryBackend::new(SIZE, false))).await;
+    let backend = ReplicatedBackend {
+        shared: Arc::clone(&pair.primary),
+    };
+    backend
+        .write(0, pattern(4, 4096).into(), false)
+        .await
+        .unwrap();
+    assert_eq!(pair.primary.status().metadata_stopped, None);
+    pair.primary.meta().refuse_writes();
+    // The second extent needs a log record, which the kernel refuses.
+    let new_extent = backend.write(5 << 20, pattern(5, 4096).into(), false).await;
+    assert_eq!(new_extent.unwrap_err().errno, NbdError::Io);
+    let logged_extent = backend.write(0, pattern(6, 4096).into(), false).await;
+    assert_eq!(logged_extent.unwrap_err().errno, NbdError::Io);
+    let status = pair.primary.status();
+    let why = status
+        .metadata_stopped
+        .clone()
+        .expect("the status says it stopped");
+    assert!(
+        why.contains("stopped since writing the activity log failed"),
+        "{why}"
+    );
+    let shown = super::control::render(&status);
+    assert!(shown.contains("  writes stopped: metadata "), "{shown}");
+    // Reads go on.
+    let read = backend.read(0, 4096).await.unwrap();
+    assert_eq!(read.bytes(), pattern(4, 4096));
+    let _ = pair.stop.send(true);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_secondary_refuses_client_writes_and_exports_read_only() {
     let pair = pair("C", Arc::new(MemoryBackend::new(SIZE, false))).await;

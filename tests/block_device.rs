@@ -27,19 +27,27 @@ impl Drop for LoopDevice {
     }
 }
 
-/// A tmpfs of `size` mounted on a directory, unmounted on drop.
-struct Tmpfs(PathBuf);
+/// A file system mounted on a directory, unmounted on drop.
+struct Mounted(PathBuf);
 
-impl Tmpfs {
-    fn mount(on: &Path, size: &str) -> Tmpfs {
+impl Mounted {
+    /// A tmpfs of `size`.
+    fn tmpfs(on: &Path, size: &str) -> Mounted {
         run(Command::new("mount")
             .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
             .arg(on));
-        Tmpfs(on.to_path_buf())
+        Mounted(on.to_path_buf())
+    }
+
+    /// A new ext4 on `device`.
+    fn ext4(device: &Path, on: &Path) -> Mounted {
+        run(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(device));
+        run(Command::new("mount").arg(device).arg(on));
+        Mounted(on.to_path_buf())
     }
 }
 
-impl Drop for Tmpfs {
+impl Drop for Mounted {
     fn drop(&mut self) {
         // Lazily: a loop device just detached may still hold its file for a moment.
         let _ = Command::new("umount").arg("-l").arg(&self.0).status();
@@ -49,27 +57,54 @@ impl Drop for Tmpfs {
 /// A device that fails writes: a loop device over a 64 MiB sparse file on a tmpfs of
 /// 8 MiB, so that writing back more than 8 MiB of its page cache fails.
 struct FailingDevice {
-    // Fields drop in order: the device goes before its file system.
+    // Fields drop in order: the device goes before the file systems under it.
     device: LoopDevice,
-    _space: Tmpfs,
+    /// With [`FailingDevice::under_ext4`]: the ext4 holding the device's file, and the
+    /// failing loop device under that.
+    _ext4: Option<(Mounted, LoopDevice, tempfile::TempDir)>,
+    _space: Mounted,
     _dir: tempfile::TempDir,
 }
 
 impl FailingDevice {
     fn new() -> FailingDevice {
         let dir = tempfile::tempdir().unwrap();
-        let space = Tmpfs::mount(dir.path(), "8m");
-        let backing = dir.path().join("backing.img");
-        std::fs::File::create(&backing)
-            .unwrap()
-            .set_len(64 << 20)
-            .unwrap();
+        let space = Mounted::tmpfs(dir.path(), "8m");
         FailingDevice {
-            device: LoopDevice::attach(&backing),
+            device: LoopDevice::attach(&sparse_file(&dir.path().join("backing.img"), 64)),
+            _ext4: None,
             _space: space,
             _dir: dir,
         }
     }
+
+    /// A loop device over a 64 MiB file on an ext4 that lives on a failing device (128 MiB
+    /// over the same kind of 8 MiB tmpfs). Its writes land in that ext4's page cache, and
+    /// its flush (an `fsync` of the file) fails once that writeback does: a cache below
+    /// the device, as under any loop device over a file.
+    fn under_ext4() -> FailingDevice {
+        let dir = tempfile::tempdir().unwrap();
+        let space = Mounted::tmpfs(dir.path(), "8m");
+        let lower = LoopDevice::attach(&sparse_file(&dir.path().join("lower.img"), 128));
+        let ext4_dir = tempfile::tempdir().unwrap();
+        let ext4 = Mounted::ext4(&lower.0, ext4_dir.path());
+        let device = LoopDevice::attach(&sparse_file(&ext4_dir.path().join("upper.img"), 64));
+        FailingDevice {
+            device,
+            _ext4: Some((ext4, lower, ext4_dir)),
+            _space: space,
+            _dir: dir,
+        }
+    }
+}
+
+/// Creates a sparse file of `mib` MiB at `path`.
+fn sparse_file(path: &Path, mib: u64) -> PathBuf {
+    std::fs::File::create(path)
+        .unwrap()
+        .set_len(mib << 20)
+        .unwrap();
+    path.to_path_buf()
 }
 
 /// Writes 16 MiB into the export's page cache, then runs the `steps` given after the URI
@@ -104,30 +139,55 @@ print("read", other.pread(4096, 0)[:2].hex())
 "#;
 
 /// Linux reports a failed writeback to a file once, and the next `fdatasync` succeeds with
-/// the data lost; so in page-cache mode, once a sync failed, every FLUSH on the export
-/// fails, on every connection, whether the failure came to a FLUSH or to a FUA write's own
-/// sync (here after `sync(1)` made the kernel's writeback fail). Reads still work.
+/// the data lost; so once a sync failed, every FLUSH on the export fails, on every
+/// connection. In page-cache mode, whether the failure came to a FLUSH or to a FUA write's
+/// own sync (here after `sync(1)` made the kernel's writeback fail); with `--cache=none`,
+/// when the cache that lost the data lies below the device (a loop device over a file on
+/// ext4). Reads still work.
 #[test]
-fn a_failed_page_cache_sync_fails_every_flush_after_it() {
-    if !have("losetup") || !have("mount") {
+fn a_failed_sync_fails_every_flush_after_it() {
+    if !have("losetup") || !have("mount") || !have("mkfs.ext4") {
         return;
     }
-    for (steps, expected) in [
+    let all_fail = "flush EIO\nflush EIO\nother-flush EIO\nother-flush EIO\nread abab\n";
+    let fua_first = "fua EIO\nflush EIO\nother-flush EIO\nother-flush EIO\nread abab\n";
+    type Case = (
+        fn() -> FailingDevice,
+        &'static str,
+        &'static [&'static str],
+        &'static str,
+    );
+    let cases: [Case; 3] = [
         (
-            &["flush", "flush"][..],
-            "flush EIO\nflush EIO\nother-flush EIO\nother-flush EIO\nread abab\n",
+            FailingDevice::new,
+            "--cache=writeback",
+            &["flush", "flush"],
+            all_fail,
         ),
         (
-            &["sync", "fua", "flush"][..],
-            "fua EIO\nflush EIO\nother-flush EIO\nother-flush EIO\nread abab\n",
+            FailingDevice::new,
+            "--cache=writeback",
+            &["sync", "fua", "flush"],
+            fua_first,
         ),
-    ] {
-        let failing = FailingDevice::new();
-        let mut server = Server::start(&["--cache=writeback", failing.device.0.to_str().unwrap()]);
+        (
+            FailingDevice::under_ext4,
+            "--cache=none",
+            &["flush", "flush"],
+            all_fail,
+        ),
+    ];
+    for (device, cache, steps, expected) in cases {
+        let failing = device();
+        let mut server = Server::start(&[cache, failing.device.0.to_str().unwrap()]);
         let uri = server.uri();
         let mut args = vec![uri.as_str()];
         args.extend_from_slice(steps);
-        assert_eq!(python(WRITEBACK_FAILS, &args), expected, "{steps:?}");
+        assert_eq!(
+            python(WRITEBACK_FAILS, &args),
+            expected,
+            "{cache} {steps:?}"
+        );
         // Stopped, the server says that its final flush failed, in its exit status too.
         server.signal("TERM");
         let status = server.wait_exit(Duration::from_secs(30)).unwrap();

@@ -7,8 +7,7 @@
 //! whole blocks are read-modify-written under a range lock ([`super::range_lock`]). TRIM
 //! punches holes, WRITE_ZEROES uses `fallocate`, block status comes from
 //! `SEEK_DATA`/`SEEK_HOLE`, FUA writes use `RWF_DSYNC`, and FLUSH syncs only when a write
-//! completed since the last sync (and in writeback mode fails for good once a sync failed:
-//! [`LostWriteback`]).
+//! completed since the last sync (and fails for good once a sync failed: [`LostWriteback`]).
 
 use std::fs::{File, OpenOptions};
 use std::io::{Seek, SeekFrom};
@@ -152,21 +151,25 @@ impl DirtyTracker {
     }
 }
 
-/// In writeback mode, the first sync of the page cache that failed: from then on every FLUSH
-/// fails with its error, until the export is opened again.
+/// The first sync that failed: from then on every FLUSH fails with its error, until the
+/// export is opened again.
 ///
 /// Why: Linux reports a failed writeback to each open file once. The pages that could not
 /// be written are marked clean, so the next `fdatasync` has nothing to write and succeeds,
 /// although data acknowledged before it never reached the device (PostgreSQL's "fsyncgate",
-/// 2018). A FLUSH answered with success then would promise what is lost. qemu's file driver
-/// does the same (`page_cache_inconsistent`); nbdkit's file plugin, measured on a loop
-/// device over a full tmpfs, answers the FLUSH after a failed one with success.
+/// 2018). A FLUSH answered with success then would promise what is lost. In writeback mode
+/// that cache is this file's own; with `--cache=none` it can lie below the device (a loop
+/// device over a file, whose flush is an `fsync` of that file), and the same happens there.
+/// qemu's file driver makes FLUSH fail for good in writeback mode only
+/// (`page_cache_inconsistent`), and nbdkit's file plugin never does: measured on loop
+/// devices that fail writeback, nbdkit answers the FLUSH after a failed one with success in
+/// both cases, and qemu-nbd with `--cache=none` too.
 ///
-/// What counts: a failed `fdatasync` (FLUSH, a FUA trim or zeroing) and a failed FUA write,
-/// whose `RWF_DSYNC` sync takes the file's error the same way. The errno of a FUA write
-/// cannot tell a sync that failed from a copy into the page cache that failed (a full file
-/// system), so either stops FLUSH. Direct I/O keeps no data in the page cache, so there a
-/// failed sync can be tried again (`--cache=none`).
+/// What counts: a failed `fdatasync` (FLUSH, a FUA trim or zeroing), in both modes; and in
+/// writeback mode a failed FUA write, whose `RWF_DSYNC` sync takes the file's error the
+/// same way (its errno cannot tell that from a failed copy into the page cache, such as a
+/// full file system, so either stops FLUSH). A failed direct FUA write does not: it is
+/// more likely that one write's own blocks (a bad sector), which must not stop the export.
 #[derive(Default)]
 struct LostWriteback {
     /// The errno of the first failed sync; 0 while none has failed.
@@ -411,7 +414,7 @@ impl FileBackend {
                 )
                 .await
                 .map_err(|e| {
-                    if fua {
+                    if fua && self.cache == CacheMode::Writeback {
                         self.sync_failed(&e);
                     }
                     BackendError::io("write", offset, length, e)
@@ -548,14 +551,14 @@ impl FileBackend {
         }
     }
 
-    /// A sync (or a FUA write) failed with `error`: in writeback mode, FLUSH fails from now
+    /// A sync (or a FUA write in writeback mode) failed with `error`: FLUSH fails from now
     /// on ([`LostWriteback`]).
     fn sync_failed(&self, error: &std::io::Error) {
-        if self.cache == CacheMode::Writeback && self.lost.record(error) {
+        if self.lost.record(error) {
             tracing::error!(
-                "{}: a sync of the page cache failed ({error}): writes acknowledged before it \
-                 may not be on the device, and the kernel reports that only once, so every \
-                 FLUSH on this export fails from now on; check the device, then restart",
+                "{}: a sync failed ({error}): writes acknowledged before it may not be on the \
+                 device, and the kernel reports that only once, so every FLUSH on this \
+                 export fails from now on; check the device, then restart",
                 self.path.display()
             );
         }

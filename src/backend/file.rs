@@ -168,8 +168,9 @@ impl DirtyTracker {
 /// What counts: a failed `fdatasync` (FLUSH, a FUA trim or zeroing), in both modes; and in
 /// writeback mode a failed FUA write, whose `RWF_DSYNC` sync takes the file's error the
 /// same way (its errno cannot tell that from a failed copy into the page cache, such as a
-/// full file system, so either stops FLUSH). A failed direct FUA write does not: it is
-/// more likely that one write's own blocks (a bad sector), which must not stop the export.
+/// full file system, so either stops FLUSH). A failed direct FUA write does not: that is
+/// more likely one write's own blocks failing (a bad sector), which must not stop the
+/// export.
 #[derive(Default)]
 struct LostWriteback {
     /// The errno of the first failed sync; 0 while none has failed.

@@ -1,7 +1,8 @@
 //! Exporting a real block device (a loop device over a temporary file): its size comes
 //! from the device, and writes, zeroing and discard reach the device's bytes; a device
 //! that fails writeback fails every FLUSH after it, and a replicated node on it leaves its
-//! metadata for a resync.
+//! metadata for a resync; a node whose metadata cannot be written stops writes and says
+//! why.
 
 mod common;
 
@@ -271,28 +272,12 @@ fn a_node_whose_final_flush_fails_leaves_its_extents_for_resync() {
     }
     let failing = FailingDevice::new();
     let dir = tempfile::tempdir().unwrap();
-    // Two distinct free ports for the nodes' replication addresses (beta never starts).
-    let taken = [0, 1].map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap());
-    let [alpha_port, beta_port] = taken.each_ref().map(|l| l.local_addr().unwrap().port());
-    drop(taken);
-    let config = dir.path().join("r0.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[resource]\nname = \"r0\"\nsize = \"64M\"\npeer_timeout = \"1s\"\n\
-             [[node]]\nname = \"alpha\"\nreplication = \"127.0.0.1:{alpha_port}\"\n\
-             listen = \"127.0.0.1:0\"\nbacking = \"{device}\"\ncache = \"writeback\"\n\
-             metadata = \"{dir}/alpha.meta\"\n\
-             [[node]]\nname = \"beta\"\nreplication = \"127.0.0.1:{beta_port}\"\n\
-             listen = \"127.0.0.1:0\"\nbacking = \"memory:64M\"\nmetadata = \"{dir}/beta.meta\"\n",
-            device = failing.device.0.display(),
-            dir = dir.path().display(),
-        ),
-    )
-    .unwrap();
-    let args: Vec<String> = ["--config", config.to_str().unwrap(), "--node", "alpha"]
-        .map(String::from)
-        .to_vec();
+    let alpha = format!(
+        "backing = \"{}\"\ncache = \"writeback\"\nmetadata = \"{}/alpha.meta\"\n",
+        failing.device.0.display(),
+        dir.path().display()
+    );
+    let args = alpha_of_two_nodes(dir.path(), &alpha);
     let mut primary = args.clone();
     primary.push("--primary".into());
     let mut node = Server::start_expecting(&primary, 1);
@@ -318,4 +303,92 @@ fn a_node_whose_final_flush_fails_leaves_its_extents_for_resync() {
     again.signal("TERM");
     let status = again.wait_exit(Duration::from_secs(30)).unwrap();
     assert!(status.success(), "{}", again.stderr());
+}
+
+/// A resource of two nodes under `dir`, alpha's own settings (its backing, cache and
+/// metadata) given as TOML lines; beta never starts. Returns `netblk serve`'s arguments for
+/// alpha.
+fn alpha_of_two_nodes(dir: &Path, alpha: &str) -> Vec<String> {
+    // Two distinct free ports for the nodes' replication addresses.
+    let taken = [0, 1].map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap());
+    let [alpha_port, beta_port] = taken.each_ref().map(|l| l.local_addr().unwrap().port());
+    drop(taken);
+    let config = dir.join("r0.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[resource]\nname = \"r0\"\nsize = \"64M\"\npeer_timeout = \"1s\"\n\
+             [[node]]\nname = \"alpha\"\nreplication = \"127.0.0.1:{alpha_port}\"\n\
+             listen = \"127.0.0.1:0\"\n{alpha}\
+             [[node]]\nname = \"beta\"\nreplication = \"127.0.0.1:{beta_port}\"\n\
+             listen = \"127.0.0.1:0\"\nbacking = \"memory:64M\"\n\
+             metadata = \"{dir}/beta.meta\"\n",
+            dir = dir.display(),
+        ),
+    )
+    .unwrap();
+    ["--config", config.to_str().unwrap(), "--node", "alpha"]
+        .map(String::from)
+        .to_vec()
+}
+
+/// A primary whose metadata cannot be written (its file system filled up after the start)
+/// takes no more writes, and `netblk status` says why, in both of its forms.
+#[test]
+fn a_node_whose_metadata_cannot_be_written_stops_writes_and_says_why() {
+    if !have("mount") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let meta_dir = dir.path().join("meta");
+    std::fs::create_dir(&meta_dir).unwrap();
+    let _space = Mounted::tmpfs(&meta_dir, "1m");
+    let alpha = format!(
+        "backing = \"memory:64M\"\nmetadata = \"{}/alpha.meta\"\n",
+        meta_dir.display()
+    );
+    let mut args = alpha_of_two_nodes(dir.path(), &alpha);
+    args.push("--primary".into());
+    let node = Server::start_expecting(&args, 1);
+    // Fill the file system: the next activity-log record falls in a hole of the
+    // metadata file, which needs a page the tmpfs no longer has.
+    let mut filler = std::fs::File::create(meta_dir.join("filler")).unwrap();
+    while std::io::Write::write_all(&mut filler, &[7u8; 65536]).is_ok() {}
+    let written = python(
+        r#"
+import nbd, sys
+h = nbd.NBD()
+h.connect_uri(sys.argv[1])
+for n in range(2):
+    try:
+        h.pwrite(b"\x01" * 4096, 0)
+        print("write ok")
+    except nbd.Error as e:
+        print("write EIO" if "(EIO)" in str(e) else e)
+print("read", h.pread(4096, 0)[:2].hex())
+"#,
+        &[&node.uri()],
+    );
+    assert_eq!(written, "write EIO\nwrite EIO\nread 0000\n");
+    let status = |extra: &[&str]| {
+        run_stdout(
+            Command::new(env!("CARGO_BIN_EXE_netblk"))
+                .arg("status")
+                .args(extra)
+                .args(&args[..4]),
+        )
+    };
+    let shown = status(&[]);
+    assert!(
+        shown.contains("writes stopped: metadata ") && shown.contains("No space left on device"),
+        "{shown}"
+    );
+    let json: serde_json::Value = serde_json::from_str(&status(&["--json"])).unwrap();
+    let why = json["status"]["metadata_stopped"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        why.contains("stopped since writing the activity log failed"),
+        "{json}"
+    );
 }

@@ -286,6 +286,14 @@ fn a_node_whose_final_flush_fails_leaves_its_extents_for_resync() {
         python(WRITEBACK_FAILS, &[&uri, "flush"]),
         "flush EIO\nother-flush EIO\nother-flush EIO\nread abab\n"
     );
+    let shown = node_status(&args, &[]);
+    assert!(
+        shown.contains("flushes fail: a sync of the disk failed (Input/output error"),
+        "{shown}"
+    );
+    let json: serde_json::Value = serde_json::from_str(&node_status(&args, &["--json"])).unwrap();
+    let why = json["status"]["flush_stopped"].as_str().unwrap_or_default();
+    assert!(why.contains("Input/output error"), "{json}");
     node.signal("TERM");
     let status = node.wait_exit(Duration::from_secs(30)).unwrap();
     let log = node.stderr();
@@ -303,6 +311,17 @@ fn a_node_whose_final_flush_fails_leaves_its_extents_for_resync() {
     again.signal("TERM");
     let status = again.wait_exit(Duration::from_secs(30)).unwrap();
     assert!(status.success(), "{}", again.stderr());
+}
+
+/// What `netblk status` (with `extra` arguments) prints for the node that `args` (from
+/// [`alpha_of_two_nodes`]) starts.
+fn node_status(args: &[String], extra: &[&str]) -> String {
+    run_stdout(
+        Command::new(env!("CARGO_BIN_EXE_netblk"))
+            .arg("status")
+            .args(extra)
+            .args(&args[..4]),
+    )
 }
 
 /// A resource of two nodes under `dir`, alpha's own settings (its backing, cache and
@@ -370,20 +389,12 @@ print("read", h.pread(4096, 0)[:2].hex())
         &[&node.uri()],
     );
     assert_eq!(written, "write EIO\nwrite EIO\nread 0000\n");
-    let status = |extra: &[&str]| {
-        run_stdout(
-            Command::new(env!("CARGO_BIN_EXE_netblk"))
-                .arg("status")
-                .args(extra)
-                .args(&args[..4]),
-        )
-    };
-    let shown = status(&[]);
+    let shown = node_status(&args, &[]);
     assert!(
         shown.contains("writes stopped: metadata ") && shown.contains("No space left on device"),
         "{shown}"
     );
-    let json: serde_json::Value = serde_json::from_str(&status(&["--json"])).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&node_status(&args, &["--json"])).unwrap();
     let why = json["status"]["metadata_stopped"]
         .as_str()
         .unwrap_or_default();

@@ -917,6 +917,10 @@ impl Backend for FileBackend {
     fn flush_ahead_pays(&self) -> bool {
         true
     }
+
+    fn flush_stopped(&self) -> Option<std::io::Error> {
+        self.lost.error()
+    }
 }
 
 impl std::fmt::Debug for FileBackend {

@@ -668,6 +668,12 @@ pub trait Backend: Send + Sync + 'static {
     }
     /// Makes every completed write durable.
     fn flush(&self) -> BackendFuture<'_, ()>;
+    /// The error every FLUSH fails with from now on, once a sync failed and data the
+    /// kernel had accepted may be lost (a file export: see `backend::file`); `None` while
+    /// FLUSH can still succeed. Lets a node's status say so, not only its log.
+    fn flush_stopped(&self) -> Option<std::io::Error> {
+        None
+    }
     /// Discards a range; afterwards it reads as zeroes or as its old contents.
     fn trim(&self, offset: u64, length: u64, fua: bool) -> BackendFuture<'_, ()>;
     /// Makes a range read as zeroes.

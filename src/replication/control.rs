@@ -33,6 +33,10 @@ pub struct Status {
     /// writes fail until the node restarts.
     #[serde(default)]
     pub metadata_stopped: Option<String>,
+    /// Why every FLUSH of the local disk fails, if a sync of it failed (data the kernel
+    /// had accepted may be lost): until the node restarts.
+    #[serde(default)]
+    pub flush_stopped: Option<String>,
     pub peers: Vec<PeerStatus>,
 }
 
@@ -145,6 +149,7 @@ impl Shared {
             bitmap_generation: format!("{:#018x}", generations.bitmap),
             out_of_sync_bytes,
             metadata_stopped,
+            flush_stopped: self.local.flush_stopped().map(|e| e.to_string()),
             peers,
         }
     }
@@ -374,6 +379,11 @@ pub fn render(status: &Status) -> String {
     );
     if let Some(why) = &status.metadata_stopped {
         text.push_str(&format!("  writes stopped: {why}\n"));
+    }
+    if let Some(why) = &status.flush_stopped {
+        text.push_str(&format!(
+            "  flushes fail: a sync of the disk failed ({why})\n"
+        ));
     }
     for peer in &status.peers {
         text.push_str(&format!(

@@ -375,7 +375,7 @@ fn a_node_whose_metadata_cannot_be_written_stops_writes_and_says_why() {
     while std::io::Write::write_all(&mut filler, &[7u8; 65536]).is_ok() {}
     let written = python(
         r#"
-import nbd, sys
+import nbd, sys, time
 h = nbd.NBD()
 h.connect_uri(sys.argv[1])
 for n in range(2):
@@ -385,10 +385,32 @@ for n in range(2):
     except nbd.Error as e:
         print("write EIO" if "(EIO)" in str(e) else e)
 print("read", h.pread(4096, 0)[:2].hex())
+# A burst of failing writes, then one more after the log's one-second window.
+failed = 0
+for n in range(200):
+    try:
+        h.pwrite(b"\x01" * 4096, 4096 * n)
+    except nbd.Error:
+        failed += 1
+print("burst failed", failed)
+time.sleep(1.2)
+try:
+    h.pwrite(b"\x01" * 4096, 0)
+except nbd.Error:
+    print("later failed")
 "#,
         &[&node.uri()],
     );
-    assert_eq!(written, "write EIO\nwrite EIO\nread 0000\n");
+    assert_eq!(
+        written,
+        "write EIO\nwrite EIO\nread 0000\nburst failed 200\nlater failed\n"
+    );
+    // 203 failed writes, two warnings each (the activity log's and the request's), are
+    // logged at most ten a second; the first to pass afterwards counts the rest.
+    let log = node.stderr();
+    let warnings = log.lines().filter(|l| l.contains("activity log")).count();
+    assert!((3..=30).contains(&warnings), "{warnings} warnings: {log}");
+    assert!(log.contains("more like it not logged)"), "{log}");
     let shown = node_status(&args, &[]);
     assert!(
         shown.contains("writes stopped: metadata ") && shown.contains("No space left on device"),

@@ -20,6 +20,7 @@ use crate::backend::{
     backend_future, Backend, BackendError, BackendFuture, Capabilities, Extent, ReadData,
     WriteData, ZeroFlags,
 };
+use crate::log_limit::FAILED_REQUESTS;
 use crate::tcp::TcpSettings;
 use crate::wire::NbdError;
 
@@ -441,7 +442,7 @@ impl Shared {
                 Err(MetaError::ActivityLogNeedsFlush) if role == Role::Secondary => {
                     let mut meta = self.meta();
                     if let Err(e) = blocking(|| meta.make_room_marking_out_of_sync(&extents)) {
-                        warn!("activity log: {e}");
+                        FAILED_REQUESTS.warn(format_args!("activity log: {e}"));
                         return Err(BackendError::plain(
                             "activity log",
                             offset,
@@ -453,7 +454,9 @@ impl Shared {
                 Err(MetaError::ActivityLogNeedsFlush) => {
                     // Make the idle extents' writes durable everywhere so one can leave.
                     if let Err(e) = self.flush_all().await {
-                        warn!("activity log: the flush before an eviction failed: {e}");
+                        FAILED_REQUESTS.warn(format_args!(
+                            "activity log: the flush before an eviction failed: {e}"
+                        ));
                         return Err(BackendError::plain(
                             "activity log",
                             offset,
@@ -463,7 +466,7 @@ impl Shared {
                     }
                 }
                 Err(e) => {
-                    warn!("activity log: {e}");
+                    FAILED_REQUESTS.warn(format_args!("activity log: {e}"));
                     return Err(BackendError::plain(
                         "activity log",
                         offset,
@@ -547,7 +550,7 @@ impl Shared {
         // One deadline for every peer: two lost peers cost one timeout, not two.
         let deadline = tokio::time::Instant::now() + self.resource.peer_timeout;
         let conns = self.targets_for_write(offset, length).map_err(|e| {
-            warn!("metadata: {e}");
+            FAILED_REQUESTS.warn(format_args!("metadata: {e}"));
             BackendError::plain(op, offset, length, NbdError::Io)
         })?;
         let key = match self.resource.protocol {

@@ -1,0 +1,114 @@
+//! A rate limit for warnings that every failed request would otherwise log: a disk that
+//! fails, or a node whose metadata stopped, can fail thousands of requests a second, and a
+//! line for each would flood the log (and spend the server's CPU on formatting) while
+//! saying nothing new. Like the kernel's `printk_ratelimit`: a burst passes, the rest of
+//! the window is counted, and the next warning that passes says how many were left out.
+
+use std::fmt::Display;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// Warnings logged per window before the rest of it is only counted.
+const BURST: u32 = 10;
+/// The window.
+const WINDOW: Duration = Duration::from_secs(1);
+
+/// One kind of warning's rate limit.
+#[derive(Debug)]
+pub struct LogLimit {
+    state: Mutex<LimitState>,
+}
+
+#[derive(Debug)]
+struct LimitState {
+    /// When the current window began (`None` before the first warning).
+    window_start: Option<Instant>,
+    /// Warnings let through in the current window.
+    passed: u32,
+    /// Warnings left out since the last one that passed.
+    left_out: u64,
+}
+
+/// Warnings about failed requests (backend errors answered to a client), server-wide.
+pub static FAILED_REQUESTS: LogLimit = LogLimit::new();
+
+impl LogLimit {
+    pub const fn new() -> LogLimit {
+        LogLimit {
+            state: Mutex::new(LimitState {
+                window_start: None,
+                passed: 0,
+                left_out: 0,
+            }),
+        }
+    }
+
+    /// Logs `message` at warning level unless this window's burst is spent; a message
+    /// that passes after some were left out says how many.
+    pub fn warn(&self, message: impl Display) {
+        match self.admit(Instant::now()) {
+            Some(0) => tracing::warn!("{message}"),
+            Some(left_out) => {
+                tracing::warn!("{message} (and {left_out} more like it not logged)")
+            }
+            None => {}
+        }
+    }
+
+    /// Whether a warning at `now` is logged: `Some(left_out)` with the number left out
+    /// since the last one logged, `None` when this one is left out.
+    fn admit(&self, now: Instant) -> Option<u64> {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let window_over = match state.window_start {
+            None => true,
+            Some(start) => now.saturating_duration_since(start) >= WINDOW,
+        };
+        if window_over {
+            state.window_start = Some(now);
+            state.passed = 0;
+        }
+        if state.passed < BURST {
+            state.passed += 1;
+            Some(std::mem::take(&mut state.left_out))
+        } else {
+            state.left_out += 1;
+            None
+        }
+    }
+}
+
+impl Default for LogLimit {
+    fn default() -> Self {
+        LogLimit::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_burst_passes_then_the_rest_of_the_window_is_counted_and_reported() {
+        let limit = LogLimit::new();
+        let start = Instant::now();
+        for _ in 0..BURST {
+            assert_eq!(limit.admit(start), Some(0));
+        }
+        let later = start + WINDOW / 2;
+        for _ in 0..25 {
+            assert_eq!(limit.admit(later), None);
+        }
+        let next_window = start + WINDOW;
+        assert_eq!(limit.admit(next_window), Some(25));
+        assert_eq!(limit.admit(next_window), Some(0));
+    }
+
+    #[test]
+    fn warnings_spread_out_all_pass() {
+        let limit = LogLimit::new();
+        let start = Instant::now();
+        for n in 0..100u32 {
+            assert_eq!(limit.admit(start + WINDOW / BURST * n), Some(0));
+        }
+    }
+}

@@ -2,9 +2,9 @@
 //! fails, or a node whose metadata stopped, can fail thousands of requests a second, and a
 //! line for each would flood the log (and spend the server's CPU on formatting) while
 //! saying nothing new. Like the kernel's `printk_ratelimit`: a burst passes, the rest of
-//! the window is counted, and the next warning that passes says how many were left out.
+//! the window is counted, and the next warning that passes says how many were left out
+//! (`suppressed=N`).
 
-use std::fmt::Display;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -29,6 +29,22 @@ struct LimitState {
     left_out: u64,
 }
 
+/// `tracing::warn!` at the call site (its module stays the log line's target) when the
+/// [`LogLimit`] given first admits it; a line that passes after some were left out carries
+/// their number as the field `suppressed`.
+macro_rules! warn_limited {
+    ($limit:expr, $($arg:tt)+) => {
+        if let Some(suppressed) = $limit.admit_now() {
+            if suppressed == 0 {
+                tracing::warn!($($arg)+);
+            } else {
+                tracing::warn!(suppressed, $($arg)+);
+            }
+        }
+    };
+}
+pub(crate) use warn_limited;
+
 /// Warnings about failed requests (backend errors answered to a client), server-wide.
 pub static FAILED_REQUESTS: LogLimit = LogLimit::new();
 
@@ -43,16 +59,11 @@ impl LogLimit {
         }
     }
 
-    /// Logs `message` at warning level unless this window's burst is spent; a message
-    /// that passes after some were left out says how many.
-    pub fn warn(&self, message: impl Display) {
-        match self.admit(Instant::now()) {
-            Some(0) => tracing::warn!("{message}"),
-            Some(left_out) => {
-                tracing::warn!("{message} (and {left_out} more like it not logged)")
-            }
-            None => {}
-        }
+    /// Whether a warning now is logged: `Some(suppressed)` with the number left out since
+    /// the last one logged, `None` when this one is left out. [`warn_limited!`] is the
+    /// way to use it.
+    pub fn admit_now(&self) -> Option<u64> {
+        self.admit(Instant::now())
     }
 
     /// Whether a warning at `now` is logged: `Some(left_out)` with the number left out

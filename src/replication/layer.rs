@@ -20,7 +20,7 @@ use crate::backend::{
     backend_future, Backend, BackendError, BackendFuture, Capabilities, Extent, ReadData,
     WriteData, ZeroFlags,
 };
-use crate::log_limit::FAILED_REQUESTS;
+use crate::log_limit::{warn_limited, FAILED_REQUESTS};
 use crate::tcp::TcpSettings;
 use crate::wire::NbdError;
 
@@ -442,7 +442,7 @@ impl Shared {
                 Err(MetaError::ActivityLogNeedsFlush) if role == Role::Secondary => {
                     let mut meta = self.meta();
                     if let Err(e) = blocking(|| meta.make_room_marking_out_of_sync(&extents)) {
-                        FAILED_REQUESTS.warn(format_args!("activity log: {e}"));
+                        warn_limited!(FAILED_REQUESTS, "activity log: {e}");
                         return Err(BackendError::plain(
                             "activity log",
                             offset,
@@ -454,9 +454,10 @@ impl Shared {
                 Err(MetaError::ActivityLogNeedsFlush) => {
                     // Make the idle extents' writes durable everywhere so one can leave.
                     if let Err(e) = self.flush_all().await {
-                        FAILED_REQUESTS.warn(format_args!(
+                        warn_limited!(
+                            FAILED_REQUESTS,
                             "activity log: the flush before an eviction failed: {e}"
-                        ));
+                        );
                         return Err(BackendError::plain(
                             "activity log",
                             offset,
@@ -466,7 +467,7 @@ impl Shared {
                     }
                 }
                 Err(e) => {
-                    FAILED_REQUESTS.warn(format_args!("activity log: {e}"));
+                    warn_limited!(FAILED_REQUESTS, "activity log: {e}");
                     return Err(BackendError::plain(
                         "activity log",
                         offset,
@@ -550,7 +551,7 @@ impl Shared {
         // One deadline for every peer: two lost peers cost one timeout, not two.
         let deadline = tokio::time::Instant::now() + self.resource.peer_timeout;
         let conns = self.targets_for_write(offset, length).map_err(|e| {
-            FAILED_REQUESTS.warn(format_args!("metadata: {e}"));
+            warn_limited!(FAILED_REQUESTS, "metadata: {e}");
             BackendError::plain(op, offset, length, NbdError::Io)
         })?;
         let key = match self.resource.protocol {

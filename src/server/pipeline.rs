@@ -60,7 +60,7 @@ use crate::backend::splice::Spliced;
 use crate::backend::{Backend, BackendError, Pieces, ReadData, WriteData, ZeroFlags};
 use crate::buffer::{Buffer, MIN_POOLED};
 use crate::idle::Idle;
-use crate::log_limit::FAILED_REQUESTS;
+use crate::log_limit::{warn_limited, FAILED_REQUESTS};
 use crate::wire::transmission::{ReplyEncoder, ReplyStyle, RequestHeader, RequestStyle};
 use crate::wire::{cmd, NbdError, BASE_ALLOCATION_ID, MAX_PAYLOAD};
 
@@ -1489,7 +1489,7 @@ fn read_done_message(enc: ReplyEncoder) -> Outgoing {
 
 /// The message that reports a backend error, logged.
 fn error_message(enc: ReplyEncoder, e: &BackendError, release: u64) -> Outgoing {
-    FAILED_REQUESTS.warn(e);
+    warn_limited!(FAILED_REQUESTS, "{e}");
     let mut header = ReplyHeader::new();
     enc.error(&mut header, e.errno, &e.to_string());
     Outgoing::new(header, None, release)
@@ -1702,7 +1702,7 @@ fn read_piece_replies(
         data,
     } = piece;
     if let Err(e) = &data {
-        FAILED_REQUESTS.warn(e);
+        warn_limited!(FAILED_REQUESTS, "{e}");
     }
     let (last, error) = streams.piece_done(stream, data.as_ref().err());
     // The piece that finishes last ends the reply: its data chunk carries the done flag

@@ -82,6 +82,15 @@ struct Pair {
     _dir: tempfile::TempDir,
 }
 
+impl Pair {
+    /// The primary's export, as its clients reach it.
+    fn primary_backend(&self) -> ReplicatedBackend {
+        ReplicatedBackend {
+            shared: Arc::clone(&self.primary),
+        }
+    }
+}
+
 /// One stop switch per running node (the primary's first).
 struct Stops(Vec<watch::Sender<bool>>);
 
@@ -177,9 +186,7 @@ fn pattern(seed: u8, len: usize) -> Bytes {
 async fn every_protocol_delivers_writes_trims_and_zeroes_by_the_next_flush() {
     for protocol in ["A", "B", "C"] {
         let pair = pair(protocol, Arc::new(MemoryBackend::new(SIZE, false))).await;
-        let backend = ReplicatedBackend {
-            shared: Arc::clone(&pair.primary),
-        };
+        let backend = pair.primary_backend();
         backend
             .write(0, pattern(1, 1 << 20).into(), false)
             .await
@@ -236,9 +243,7 @@ async fn a_local_read_error_is_served_by_the_peer_and_rewritten_locally() {
         bad: AtomicBool::new(false),
     });
     let pair = pair("C", Arc::clone(&bad) as Arc<dyn Backend>).await;
-    let backend = ReplicatedBackend {
-        shared: Arc::clone(&pair.primary),
-    };
+    let backend = pair.primary_backend();
     let data = pattern(9, 65536);
     backend.write(0, data.clone().into(), false).await.unwrap();
     bad.bad.store(true, Ordering::Release);
@@ -255,9 +260,7 @@ async fn a_local_read_error_is_served_by_the_peer_and_rewritten_locally() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_metadata_write_stops_writes_and_status_says_so() {
     let pair = pair("C", Arc::new(MemoryBackend::new(SIZE, false))).await;
-    let backend = ReplicatedBackend {
-        shared: Arc::clone(&pair.primary),
-    };
+    let backend = pair.primary_backend();
     backend
         .write(0, pattern(4, 4096).into(), false)
         .await
@@ -314,9 +317,7 @@ async fn three_nodes_all_hold_every_write_and_secondaries_link_idle() {
         None,
     )
     .await;
-    let backend = ReplicatedBackend {
-        shared: Arc::clone(&trio.primary),
-    };
+    let backend = trio.primary_backend();
     for i in 0..32u64 {
         let data = pattern(i as u8, 4096 * (1 + i as usize % 5));
         backend
@@ -471,9 +472,7 @@ async fn a_connected_peer_takes_the_new_generation_when_another_is_away() {
     )
     .await;
     let before = pair.primary.status().generation;
-    let backend = ReplicatedBackend {
-        shared: Arc::clone(&pair.primary),
-    };
+    let backend = pair.primary_backend();
     backend
         .write(0, pattern(4, 4096).into(), false)
         .await
@@ -515,9 +514,7 @@ async fn a_connected_peer_takes_the_new_generation_when_another_is_away() {
 async fn the_layer_also_runs_on_a_current_thread_runtime() {
     // Metadata updates must not rely on block_in_place, which panics here.
     let pair = pair("C", Arc::new(MemoryBackend::new(SIZE, false))).await;
-    let backend = ReplicatedBackend {
-        shared: Arc::clone(&pair.primary),
-    };
+    let backend = pair.primary_backend();
     backend
         .write(5 << 20, pattern(6, 8192).into(), true)
         .await
@@ -596,9 +593,7 @@ async fn under_protocol_a_a_secondary_applies_writes_in_the_order_sent() {
         Some(Arc::clone(&recorder) as Arc<dyn Backend>),
     )
     .await;
-    let backend = ReplicatedBackend {
-        shared: Arc::clone(&pair.primary),
-    };
+    let backend = pair.primary_backend();
     recorder.completed.lock().unwrap().clear();
     backend
         .write(0, pattern(1, 4096).into(), false)
@@ -628,9 +623,7 @@ async fn after_a_failover_a_write_only_one_secondary_got_is_resynced_to_the_othe
         None,
     )
     .await;
-    let backend = ReplicatedBackend {
-        shared: Arc::clone(&trio.primary),
-    };
+    let backend = trio.primary_backend();
     let offset = 3 << 20;
     backend
         .write(offset, pattern(1, 65536).into(), false)

@@ -1,8 +1,8 @@
 //! Exporting a real block device (a loop device over a temporary file): its size comes
 //! from the device, and writes, zeroing and discard reach the device's bytes; a device
 //! that fails writeback fails every FLUSH after it, and a replicated node on it leaves its
-//! metadata for a resync; a node whose metadata cannot be written stops writes and says
-//! why.
+//! metadata for a resync, or with its peer connected detaches the disk and serves from
+//! the peer; a node whose metadata cannot be written stops writes and says why.
 
 mod common;
 
@@ -311,6 +311,68 @@ fn a_node_whose_final_flush_fails_leaves_its_extents_for_resync() {
     again.signal("TERM");
     let status = again.wait_exit(Duration::from_secs(30)).unwrap();
     assert!(status.success(), "{}", again.stderr());
+}
+
+/// A replicated primary whose disk fails writeback while its peer is connected: the
+/// peer's barrier covers the failed FLUSH, so the node detaches its disk and serves from
+/// the peer (DRBD's `on-io-error detach`): FLUSH succeeds on every connection, reads
+/// return what was written, `netblk status` says why, and the stop is clean.
+#[test]
+fn a_primary_whose_disk_fails_detaches_it_and_serves_from_its_peer() {
+    if !have("losetup") || !have("mount") {
+        return;
+    }
+    let failing = FailingDevice::new();
+    let dir = tempfile::tempdir().unwrap();
+    let alpha = format!(
+        "backing = \"{}\"\ncache = \"writeback\"\nmetadata = \"{}/alpha.meta\"\n",
+        failing.device.0.display(),
+        dir.path().display()
+    );
+    let args = alpha_of_two_nodes(dir.path(), &alpha);
+    let mut beta_args = args.clone();
+    beta_args[3] = "beta".into();
+    let mut beta = Server::start_expecting(&beta_args, 1);
+    let mut primary = args.clone();
+    primary.push("--primary".into());
+    let mut node = Server::start_expecting(&primary, 1);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let json: serde_json::Value =
+            serde_json::from_str(&node_status(&beta_args, &["--json"])).unwrap();
+        if json["status"]["disk"] == "UpToDate" {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "beta never synced: {json}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(
+        python(WRITEBACK_FAILS, &[&node.uri(), "flush"]),
+        "flush ok\nother-flush ok\nother-flush ok\nread abab\n",
+        "{}",
+        node.stderr()
+    );
+    let shown = node_status(&args, &[]);
+    assert!(
+        shown.contains("disk detached after an I/O error"),
+        "{shown}"
+    );
+    let json: serde_json::Value = serde_json::from_str(&node_status(&args, &["--json"])).unwrap();
+    assert_eq!(json["status"]["disk"], "Inconsistent", "{json}");
+    assert!(json["status"]["detached"].is_string(), "{json}");
+    node.signal("TERM");
+    let status = node.wait_exit(Duration::from_secs(30)).unwrap();
+    let log = node.stderr();
+    assert!(status.success(), "{log}");
+    assert!(
+        log.contains("detached, this node now reads from and writes to its peers only"),
+        "{log}"
+    );
+    beta.signal("TERM");
+    assert!(beta.wait_exit(Duration::from_secs(30)).unwrap().success());
 }
 
 /// What `netblk status` (with `extra` arguments) prints for the node that `args` (from

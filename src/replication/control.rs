@@ -37,6 +37,10 @@ pub struct Status {
     /// had accepted may be lost): until the node restarts.
     #[serde(default)]
     pub flush_stopped: Option<String>,
+    /// Why this primary stopped using its local disk (an I/O error an in-sync peer
+    /// covered), if it did: reads and writes go to the peers.
+    #[serde(default)]
+    pub detached: Option<String>,
     pub peers: Vec<PeerStatus>,
 }
 
@@ -150,6 +154,7 @@ impl Shared {
             out_of_sync_bytes,
             metadata_stopped,
             flush_stopped: self.local.flush_stopped().map(|e| e.to_string()),
+            detached: self.detached_why(),
             peers,
         }
     }
@@ -383,6 +388,11 @@ pub fn render(status: &Status) -> String {
     if let Some(why) = &status.flush_stopped {
         text.push_str(&format!(
             "  flushes fail: a sync of the disk failed ({why})\n"
+        ));
+    }
+    if let Some(why) = &status.detached {
+        text.push_str(&format!(
+            "  disk detached after an I/O error ({why}): reads and writes go to the peers\n"
         ));
     }
     for peer in &status.peers {

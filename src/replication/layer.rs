@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use bytes::Bytes;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::{oneshot, Notify};
 use tracing::{info, warn};
@@ -112,6 +113,10 @@ pub struct Shared {
     next_request: AtomicU64,
     ranges: RangeLocks,
     al_released: Notify,
+    /// Set when this primary stopped using its local disk after an I/O error on it (see
+    /// [`Shared::detach`]); `detached_why` says which.
+    detached: AtomicBool,
+    detached_why: Mutex<Option<String>>,
 }
 
 /// The replicated export's backend.
@@ -165,6 +170,8 @@ impl Shared {
             next_request: AtomicU64::new(1),
             ranges: RangeLocks::default(),
             al_released: Notify::new(),
+            detached: AtomicBool::new(false),
+            detached_why: Mutex::new(None),
         }))
     }
 
@@ -565,17 +572,54 @@ impl Shared {
                 (conn, wait)
             })
             .collect();
-        // Created only now: the local write must not start before the log update.
-        let local_result = local().await;
+        // Created only now: the local write must not start before the log update. A
+        // detached node has no local disk to write.
+        let detached = self.is_detached();
+        let local_result = if detached { Ok(()) } else { local().await };
+        let mut applied_by_synced_peer = false;
         for (conn, wait) in waits {
             // Protocol A does not wait, except for a peer so far behind that its queue
             // would grow without bound: then this write waits like protocol C.
             let behind = conn.unacked_bytes() > PROTOCOL_A_MAX_UNACKED;
             if self.resource.protocol != Protocol::A || behind {
-                self.await_peer(&conn, wait, op, deadline).await;
+                let acked = self.await_peer(&conn, wait, op, deadline).await;
+                applied_by_synced_peer |= acked && conn.synced.load(Ordering::Acquire);
             }
         }
-        local_result
+        self.local_outcome(
+            op,
+            offset,
+            length,
+            detached,
+            local_result,
+            applied_by_synced_peer,
+        )
+    }
+
+    /// The reply to a replicated operation from its local result and whether a synced
+    /// peer applied it (protocol C's ack): a local failure the peer covers detaches the
+    /// local disk and succeeds, as DRBD's default `on-io-error detach` does; a detached
+    /// node succeeds only through a peer.
+    fn local_outcome(
+        &self,
+        op: &'static str,
+        offset: u64,
+        length: u64,
+        detached: bool,
+        local_result: Result<(), BackendError>,
+        applied_by_synced_peer: bool,
+    ) -> Result<(), BackendError> {
+        match local_result {
+            _ if detached && !applied_by_synced_peer => {
+                warn_limited!(
+                    FAILED_REQUESTS,
+                    "{op} at {offset} ({length} bytes) failed: the local disk is detached and no in-sync peer applied it"
+                );
+                Err(BackendError::plain(op, offset, length, NbdError::Io))
+            }
+            Err(e) if applied_by_synced_peer && self.detach(&e) => Ok(()),
+            result => result,
+        }
     }
 
     /// Waits for a peer's answer; a peer that fails, closes or stays silent past the
@@ -616,7 +660,12 @@ impl Shared {
                 (conn, wait)
             })
             .collect();
-        let local = self.local.flush().await;
+        let detached = self.is_detached();
+        let local = if detached {
+            Ok(())
+        } else {
+            self.local.flush().await
+        };
         let deadline = tokio::time::Instant::now() + self.resource.peer_timeout;
         let mut flushed = Vec::new();
         for (conn, wait) in waits {
@@ -624,6 +673,8 @@ impl Shared {
                 flushed.push(conn);
             }
         }
+        let flushed_by_synced_peer = flushed.iter().any(|c| c.synced.load(Ordering::Acquire));
+        let local = self.local_outcome("flush", 0, 0, detached, local, flushed_by_synced_peer);
         // A peer that failed the barrier was dropped, and what it misses is in the bitmap.
         if local.is_ok() {
             self.meta().flush_done(generation);
@@ -648,6 +699,19 @@ impl Shared {
         // current data; the range lock keeps a client write from passing the peer read and
         // then being overwritten by the local rewrite.
         let _range = self.ranges.lock(offset, (length as u64).max(1)).await;
+        let Some((peer, data)) = self.read_from_peers(offset, length).await else {
+            return Err(error);
+        };
+        warn!(%peer, "local read failed ({error}): served from the peer, rewriting locally");
+        if let Err(e) = self.local.write(offset, data.clone().into(), true).await {
+            warn!("rewriting the healed block failed: {e}");
+        }
+        Ok(ReadData::dense(data))
+    }
+
+    /// Reads from the first replicating peer that holds the current data of the range
+    /// (resync done, no bit set for it) and answers: the peer's name and the data.
+    async fn read_from_peers(&self, offset: u64, length: usize) -> Option<(String, Bytes)> {
         let current: Vec<Arc<PeerConn>> = {
             let meta = self.meta();
             let regions =
@@ -680,17 +744,84 @@ impl Shared {
             match tokio::time::timeout(self.resource.peer_timeout, wait).await {
                 Ok(Ok(Message::ReadReply {
                     status: 0, data, ..
-                })) if data.len() == length => {
-                    warn!(peer = %conn.peer, "local read failed ({error}): served from the peer, rewriting locally");
-                    if let Err(e) = self.local.write(offset, data.clone().into(), true).await {
-                        warn!("rewriting the healed block failed: {e}");
-                    }
-                    return Ok(ReadData::dense(data));
-                }
+                })) if data.len() == length => return Some((conn.peer.clone(), data)),
                 _ => continue,
             }
         }
-        Err(error)
+        None
+    }
+
+    /// A read on a detached node: from a peer, or EIO when none holds the range.
+    async fn read_detached(&self, offset: u64, length: usize) -> Result<ReadData, BackendError> {
+        match self.read_from_peers(offset, length).await {
+            Some((_, data)) => Ok(ReadData::dense(data)),
+            None => {
+                warn_limited!(
+                    FAILED_REQUESTS,
+                    "read at {offset} ({length} bytes) failed: the local disk is detached and no in-sync peer answered"
+                );
+                Err(BackendError::plain(
+                    "read",
+                    offset,
+                    length as u64,
+                    NbdError::Io,
+                ))
+            }
+        }
+    }
+
+    /// Whether this primary stopped using its local disk after an I/O error on it.
+    pub fn is_detached(&self) -> bool {
+        self.detached.load(Ordering::Acquire)
+    }
+
+    /// Why the local disk is detached, if it is (for `netblk status`).
+    pub fn detached_why(&self) -> Option<String> {
+        self.detached_why
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// The local disk failed an operation (`error`) that an in-sync peer applied: from
+    /// now on this primary serves its clients from its peers (reads go to a peer, writes
+    /// and flushes succeed when one applies them), like DRBD's `on-io-error detach`, so
+    /// a failing disk does not take the service down and the replicas never disagree
+    /// about an acknowledged write. The disk is recorded as inconsistent first (so a
+    /// restart does not trust it: it is resynced in full, by checksums, from the next
+    /// primary), and peers still resyncing from it are dropped. False (the error stands)
+    /// under protocol A or B, whose acks do not say the peer applied the write, or when
+    /// the metadata cannot record the detach.
+    fn detach(&self, error: &BackendError) -> bool {
+        if self.resource.protocol != Protocol::C {
+            return false;
+        }
+        // The metadata lock orders concurrent detaches (and is taken before `detached_why`
+        // everywhere).
+        let mut meta = self.meta();
+        if self.is_detached() {
+            return true;
+        }
+        if let Err(e) = blocking(|| meta.update(|sb| sb.disk = DiskState::Inconsistent)) {
+            tracing::error!("the local disk failed ({error}) and the metadata could not record a detach ({e}): the error stands");
+            return false;
+        }
+        *self.detached_why.lock().unwrap_or_else(|e| e.into_inner()) = Some(error.to_string());
+        self.detached.store(true, Ordering::Release);
+        drop(meta);
+        tracing::error!(
+            "the local disk failed ({error}); an in-sync peer has the data: detached, this \
+             node now reads from and writes to its peers only. Its disk is marked \
+             inconsistent; demote this node and promote a peer, and it is resynced in \
+             full when it next connects"
+        );
+        for conn in self.replicating_conns() {
+            if !conn.synced.load(Ordering::Acquire) {
+                warn!(peer = %conn.peer, "dropping a peer that was resyncing from the detached disk");
+                conn.close();
+            }
+        }
+        true
     }
 
     /// Takes the range lock, for resync: no client write to the range runs meanwhile.
@@ -960,7 +1091,14 @@ impl Shared {
             })
         });
         match result {
-            Ok(()) => info!("in sync with the primary: up to date"),
+            Ok(()) => {
+                info!("in sync with the primary: up to date");
+                // A detached disk that took a whole resync holds the data again.
+                if self.detached.swap(false, Ordering::AcqRel) {
+                    info!("the local disk is attached again");
+                    *self.detached_why.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                }
+            }
             Err(e) => warn!("metadata: {e}"),
         }
         // The other secondaries judge a promotion by what they last heard from this
@@ -1005,6 +1143,9 @@ impl Backend for ReplicatedBackend {
 
     fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
         backend_future(async move {
+            if self.shared.is_detached() {
+                return self.shared.read_detached(offset, length).await;
+            }
             match self.shared.local.read(offset, length).await {
                 Ok(data) => Ok(data),
                 Err(e) if self.shared.is_primary() => {
@@ -1016,8 +1157,11 @@ impl Backend for ReplicatedBackend {
     }
 
     fn read_to_pipe(&self, offset: u64, length: usize) -> Option<crate::backend::splice::Spliced> {
-        // Reads are always local; one that cannot be spliced (or fails) takes `read`,
-        // which heals a read error from a peer.
+        // Reads are local unless detached; one that cannot be spliced (or fails) takes
+        // `read`, which heals a read error from a peer.
+        if self.shared.is_detached() {
+            return None;
+        }
         self.shared.local.read_to_pipe(offset, length)
     }
 
@@ -1026,7 +1170,7 @@ impl Backend for ReplicatedBackend {
     }
 
     fn all_cached(&self, offset: u64, length: u64) -> bool {
-        self.shared.local.all_cached(offset, length)
+        !self.shared.is_detached() && self.shared.local.all_cached(offset, length)
     }
 
     fn write(&self, offset: u64, data: WriteData, fua: bool) -> BackendFuture<'_, ()> {
@@ -1095,10 +1239,24 @@ impl Backend for ReplicatedBackend {
     }
 
     fn cache(&self, offset: u64, length: u64) -> BackendFuture<'_, ()> {
+        if self.shared.is_detached() {
+            // Advisory: there is no local cache to fill.
+            return backend_future(async { Ok(()) });
+        }
         self.shared.local.cache(offset, length)
     }
 
     fn extents(&self, offset: u64, length: u64) -> BackendFuture<'_, Vec<Extent>> {
+        if self.shared.is_detached() {
+            // The local map may be wrong now: "allocated data" is always a true answer.
+            return backend_future(async move {
+                Ok(vec![Extent {
+                    length,
+                    hole: false,
+                    zero: false,
+                }])
+            });
+        }
         self.shared.local.extents(offset, length)
     }
 }

@@ -359,6 +359,14 @@ fn check_hello(
         (Role::Primary, Role::Primary) => {
             return Err(format!("{:?} is primary too", hello.node));
         }
+        (Role::Primary, Role::Secondary) if shared.is_detached() => {
+            return Err(format!(
+                "this primary's disk is detached ({}): it cannot resync {:?}; demote this node \
+                 and promote an in-sync peer",
+                shared.detached_why().unwrap_or_default(),
+                hello.node
+            ));
+        }
         (Role::Primary, Role::Secondary) => match decision {
             SyncDecision::InSync | SyncDecision::SourceFromBitmap => Plan::Source { full: false },
             SyncDecision::SourceFull => Plan::Source { full: true },
@@ -484,8 +492,16 @@ async fn run_connection(
                 shared.begin_resync_target();
             }
             // What this node itself may have different (its logged extents after a crash
-            // as primary, for one) must be resynced too.
-            let runs = shared.meta().out_of_sync_runs();
+            // as primary, for one) must be resynced too; a disk marked inconsistent with
+            // the primary's generation (detached after an I/O error) has no record of
+            // what it misses, so all of it is.
+            let inconsistent = shared.local_state().0 == DiskState::Inconsistent;
+            let runs = if inconsistent && decision == SyncDecision::InSync {
+                info!(peer = %hello.node, "this node's disk is inconsistent: every region is resynced (by checksum)");
+                vec![(0, shared.local.size())]
+            } else {
+                shared.meta().out_of_sync_runs()
+            };
             for (offset, length) in runs {
                 conn.send(Message::OutOfSync { offset, length });
             }

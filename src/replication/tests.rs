@@ -23,14 +23,36 @@ use crate::wire::NbdError;
 
 const SIZE: u64 = 8 << 20;
 
-/// A memory backend whose reads of the first 64 KiB fail with EIO until that range is
-/// written again, like a bad sector that the drive remaps on write.
-struct BadSector {
+/// A memory backend with two faults to switch on: reads of the first 64 KiB fail with
+/// EIO until that range is written again (`bad_sector`, like a sector the drive remaps on
+/// write), and every write, trim, zeroing and flush fails with EIO (`failing`, a disk
+/// that stopped taking data).
+struct FaultyDisk {
     inner: MemoryBackend,
-    bad: AtomicBool,
+    bad_sector: AtomicBool,
+    failing: AtomicBool,
 }
 
-impl Backend for BadSector {
+impl FaultyDisk {
+    fn new() -> Arc<FaultyDisk> {
+        Arc::new(FaultyDisk {
+            inner: MemoryBackend::new(SIZE, false),
+            bad_sector: AtomicBool::new(false),
+            failing: AtomicBool::new(false),
+        })
+    }
+
+    /// EIO for `op`, if the disk is failing.
+    fn failure(&self, op: &'static str, offset: u64, length: u64) -> Option<BackendFuture<'_, ()>> {
+        self.failing.load(Ordering::Acquire).then(|| {
+            backend_future(
+                async move { Err(BackendError::plain(op, offset, length, NbdError::Io)) },
+            )
+        })
+    }
+}
+
+impl Backend for FaultyDisk {
     fn size(&self) -> u64 {
         self.inner.size()
     }
@@ -38,7 +60,7 @@ impl Backend for BadSector {
         self.inner.capabilities()
     }
     fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
-        if offset < 65536 && self.bad.load(Ordering::Acquire) {
+        if offset < 65536 && self.bad_sector.load(Ordering::Acquire) {
             return backend_future(async move {
                 Err(BackendError::plain(
                     "read",
@@ -51,19 +73,25 @@ impl Backend for BadSector {
         self.inner.read(offset, length)
     }
     fn write(&self, offset: u64, data: WriteData, fua: bool) -> BackendFuture<'_, ()> {
+        if let Some(failed) = self.failure("write", offset, data.len() as u64) {
+            return failed;
+        }
         if offset == 0 && data.len() >= 65536 {
-            self.bad.store(false, Ordering::Release);
+            self.bad_sector.store(false, Ordering::Release);
         }
         self.inner.write(offset, data, fua)
     }
     fn flush(&self) -> BackendFuture<'_, ()> {
-        self.inner.flush()
+        self.failure("flush", 0, 0)
+            .unwrap_or_else(|| self.inner.flush())
     }
     fn trim(&self, offset: u64, length: u64, fua: bool) -> BackendFuture<'_, ()> {
-        self.inner.trim(offset, length, fua)
+        self.failure("trim", offset, length)
+            .unwrap_or_else(|| self.inner.trim(offset, length, fua))
     }
     fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> BackendFuture<'_, ()> {
-        self.inner.write_zeroes(offset, length, flags)
+        self.failure("write_zeroes", offset, length)
+            .unwrap_or_else(|| self.inner.write_zeroes(offset, length, flags))
     }
     fn cache(&self, offset: u64, length: u64) -> BackendFuture<'_, ()> {
         self.inner.cache(offset, length)
@@ -238,20 +266,161 @@ async fn every_protocol_delivers_writes_trims_and_zeroes_by_the_next_flush() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_local_read_error_is_served_by_the_peer_and_rewritten_locally() {
-    let bad = Arc::new(BadSector {
-        inner: MemoryBackend::new(SIZE, false),
-        bad: AtomicBool::new(false),
-    });
+    let bad = FaultyDisk::new();
     let pair = pair("C", Arc::clone(&bad) as Arc<dyn Backend>).await;
     let backend = pair.primary_backend();
     let data = pattern(9, 65536);
     backend.write(0, data.clone().into(), false).await.unwrap();
-    bad.bad.store(true, Ordering::Release);
+    bad.bad_sector.store(true, Ordering::Release);
     assert!(bad.read(0, 4096).await.is_err(), "the fault is in place");
     let read = backend.read(0, 65536).await.unwrap();
     assert_eq!(read.bytes(), data, "served from the peer");
     let local = bad.read(0, 65536).await.expect("rewritten locally");
     assert_eq!(local.bytes(), data);
+    let _ = pair.stop.send(true);
+}
+
+/// Waits up to 20 s for `done`, polling; panics naming `what` otherwise.
+async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    tokio::time::timeout(Duration::from_secs(20), async {
+        while !done() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("timed out waiting until {what}"));
+}
+
+/// A primary whose disk fails a write that the in-sync peer applied detaches the disk
+/// and goes on serving from the peer (DRBD's `on-io-error detach`): the client's write
+/// succeeds, reads return it, the replicas agree. Demoted, with its disk working again
+/// and the peer promoted, the node is resynced in full and attaches again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_write_error_the_peer_applied_detaches_the_disk_and_the_peer_serves() {
+    let disk = FaultyDisk::new();
+    let pair = pair("C", Arc::clone(&disk) as Arc<dyn Backend>).await;
+    let backend = pair.primary_backend();
+    backend
+        .write(0, pattern(1, 65536).into(), false)
+        .await
+        .unwrap();
+    disk.failing.store(true, Ordering::Release);
+    backend
+        .write(0, pattern(2, 65536).into(), true)
+        .await
+        .expect("the peer applied the write");
+    let status = pair.primary.status();
+    assert!(status.detached.is_some(), "{status:?}");
+    assert_eq!(status.disk, "Inconsistent", "recorded before the reply");
+    assert_eq!(
+        backend.read(0, 65536).await.unwrap().bytes(),
+        pattern(2, 65536)
+    );
+    assert_eq!(
+        disk.inner.read(0, 65536).await.unwrap().bytes(),
+        pattern(1, 65536),
+        "the detached disk is not written"
+    );
+    // Writes, zeroing, trims and flushes go on through the peer alone.
+    backend
+        .write(1 << 20, pattern(3, 8192).into(), false)
+        .await
+        .unwrap();
+    backend
+        .write_zeroes(0, 4096, ZeroFlags::default())
+        .await
+        .unwrap();
+    backend.trim(2 << 20, 1 << 20, false).await.unwrap();
+    backend.flush().await.unwrap();
+    assert_eq!(
+        pair.secondary
+            .local
+            .read(1 << 20, 8192)
+            .await
+            .unwrap()
+            .bytes(),
+        pattern(3, 8192)
+    );
+    assert_eq!(
+        backend.read(0, 8192).await.unwrap().bytes(),
+        [&[0u8; 4096][..], &pattern(2, 8192)[4096..]].concat()
+    );
+    assert!(disk.inner.read(1 << 20, 8192).await.unwrap().bytes() != pattern(3, 8192));
+
+    // The way back: demote, replace the disk, promote the peer.
+    pair.primary.demote().await.unwrap();
+    disk.failing.store(false, Ordering::Release);
+    pair.secondary.promote(false).unwrap();
+    pair.secondary.drop_connections();
+    wait_until("alpha is resynced from beta and up to date", || {
+        pair.primary.status().disk == "UpToDate"
+    })
+    .await;
+    assert_eq!(pair.primary.status().detached, None);
+    let mine = disk.inner.read(0, SIZE as usize).await.unwrap().bytes();
+    let theirs = pair
+        .secondary
+        .local
+        .read(0, SIZE as usize)
+        .await
+        .unwrap()
+        .bytes();
+    assert!(
+        mine == theirs,
+        "the resynced disk differs from the new primary's"
+    );
+    let _ = pair.stop.send(true);
+}
+
+/// Without an in-sync peer that applied it, a failed local write fails: under protocol
+/// B (the peer's ack says only that it received the write) and with no peer connected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_write_error_no_peer_applied_fails_and_keeps_the_disk() {
+    for (protocol, peer_running) in [("B", true), ("C", false)] {
+        let disk = FaultyDisk::new();
+        let nodes = pair(protocol, Arc::clone(&disk) as Arc<dyn Backend>).await;
+        if !peer_running {
+            let _ = nodes.stop.0[1].send(true);
+            wait_until("the primary sees its peer go", || {
+                nodes.primary.status().peers.iter().all(|p| !p.connected)
+            })
+            .await;
+        }
+        let backend = nodes.primary_backend();
+        disk.failing.store(true, Ordering::Release);
+        assert!(
+            backend
+                .write(0, pattern(2, 4096).into(), false)
+                .await
+                .is_err(),
+            "protocol {protocol}, peer running: {peer_running}"
+        );
+        assert!(backend.flush().await.is_err());
+        let status = nodes.primary.status();
+        assert_eq!(status.detached, None);
+        assert_eq!(status.disk, "UpToDate");
+        let _ = nodes.stop.send(true);
+    }
+}
+
+/// A failed local flush, the peer's barrier done, detaches the disk too: the data is
+/// durable on the peer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_flush_error_the_peer_covered_detaches_the_disk() {
+    let disk = FaultyDisk::new();
+    let pair = pair("C", Arc::clone(&disk) as Arc<dyn Backend>).await;
+    let backend = pair.primary_backend();
+    backend
+        .write(0, pattern(4, 4096).into(), false)
+        .await
+        .unwrap();
+    disk.failing.store(true, Ordering::Release);
+    backend.flush().await.expect("the peer's barrier covers it");
+    assert!(pair.primary.status().detached.is_some());
+    assert_eq!(
+        backend.read(0, 4096).await.unwrap().bytes(),
+        pattern(4, 4096)
+    );
     let _ = pair.stop.send(true);
 }
 

@@ -22,6 +22,9 @@
 //!   drops) is disconnected; the write succeeds locally, its regions (and every extent in
 //!   the activity log, which may sit unflushed in the peer's cache) are set in the
 //!   out-of-sync bitmap, and the primary starts a new data generation.
+//! - **Local disk errors.** On the primary a read error is served from an in-sync peer;
+//!   a write, trim, zeroing or flush that fails locally but was applied by an in-sync
+//!   peer (protocol C) detaches the local disk, and the node serves from its peers.
 //! - **Generations** ([`generation`]): DRBD's UUID scheme, compared at every connect to
 //!   pick the resync direction or detect split brain.
 //! - **Metadata** ([`meta`]): per peer, a bit per 64 KiB region (a 1 TiB device needs

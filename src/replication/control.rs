@@ -177,6 +177,12 @@ impl Shared {
         if !self.is_primary() {
             return Err("verify runs on the primary".into());
         }
+        if let Some(why) = self.detached_why() {
+            // Its stale disk would differ everywhere, and the peers hold the data.
+            return Err(format!(
+                "this primary's disk is detached ({why}): there is nothing local to verify"
+            ));
+        }
         let size = self.local.size();
         let mut differing = 0;
         for slot in &self.peers {

@@ -346,6 +346,9 @@ async fn a_local_write_error_the_peer_applied_detaches_the_disk_and_the_peer_ser
         [&[0u8; 4096][..], &pattern(2, 8192)[4096..]].concat()
     );
     assert!(disk.inner.read(1 << 20, 8192).await.unwrap().bytes() != pattern(3, 8192));
+    // Verifying the stale disk against the peer would disconnect the only copy.
+    assert!(pair.primary.verify().await.is_err());
+    assert!(pair.primary.status().peers[0].replicating);
 
     // The way back: demote, replace the disk, promote the peer.
     pair.primary.demote().await.unwrap();

@@ -598,8 +598,9 @@ impl Shared {
 
     /// The reply to a replicated operation from its local result and whether a synced
     /// peer applied it (protocol C's ack): a local failure the peer covers detaches the
-    /// local disk and succeeds, as DRBD's default `on-io-error detach` does; a detached
-    /// node succeeds only through a peer.
+    /// local disk and succeeds, as DRBD's default `on-io-error detach` does; one it does
+    /// not cover fails, with the range marked out of sync for every peer; a detached node
+    /// succeeds only through a peer.
     fn local_outcome(
         &self,
         op: &'static str,
@@ -618,7 +619,17 @@ impl Shared {
                 Err(BackendError::plain(op, offset, length, NbdError::Io))
             }
             Err(e) if applied_by_synced_peer && self.detach(&e) => Ok(()),
-            result => result,
+            Err(e) => {
+                // The peers may hold what this disk failed to take (under A or B, or from a
+                // peer still resyncing): the range is marked, so the next resync makes the
+                // replicas agree on whatever this disk holds, as the client was told the
+                // write failed.
+                if length > 0 {
+                    self.meta().mark_out_of_sync_for_all(offset, length);
+                }
+                Err(e)
+            }
+            Ok(()) => Ok(()),
         }
     }
 

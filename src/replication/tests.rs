@@ -375,8 +375,9 @@ async fn a_local_write_error_the_peer_applied_detaches_the_disk_and_the_peer_ser
     let _ = pair.stop.send(true);
 }
 
-/// Without an in-sync peer that applied it, a failed local write fails: under protocol
-/// B (the peer's ack says only that it received the write) and with no peer connected.
+/// Without an in-sync peer that applied it, a failed local write fails, and its range is
+/// left for the next resync: under protocol B (the peer's ack says only that it received
+/// the write) and with no peer connected.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_local_write_error_no_peer_applied_fails_and_keeps_the_disk() {
     for (protocol, peer_running) in [("B", true), ("C", false)] {
@@ -402,6 +403,8 @@ async fn a_local_write_error_no_peer_applied_fails_and_keeps_the_disk() {
         let status = nodes.primary.status();
         assert_eq!(status.detached, None);
         assert_eq!(status.disk, "UpToDate");
+        // The peer may hold what the disk did not take: the next resync settles it.
+        assert_eq!(status.peers[0].out_of_sync_bytes, 65536, "{status:?}");
         let _ = nodes.stop.send(true);
     }
 }

@@ -270,14 +270,7 @@ fn a_node_whose_final_flush_fails_leaves_its_extents_for_resync() {
     if !have("losetup") || !have("mount") {
         return;
     }
-    let failing = FailingDevice::new();
-    let dir = tempfile::tempdir().unwrap();
-    let alpha = format!(
-        "backing = \"{}\"\ncache = \"writeback\"\nmetadata = \"{}/alpha.meta\"\n",
-        failing.device.0.display(),
-        dir.path().display()
-    );
-    let args = alpha_of_two_nodes(dir.path(), &alpha);
+    let (_failing, _dir, args) = alpha_on_a_failing_device();
     let mut primary = args.clone();
     primary.push("--primary".into());
     let mut node = Server::start_expecting(&primary, 1);
@@ -322,14 +315,7 @@ fn a_primary_whose_disk_fails_detaches_it_and_serves_from_its_peer() {
     if !have("losetup") || !have("mount") {
         return;
     }
-    let failing = FailingDevice::new();
-    let dir = tempfile::tempdir().unwrap();
-    let alpha = format!(
-        "backing = \"{}\"\ncache = \"writeback\"\nmetadata = \"{}/alpha.meta\"\n",
-        failing.device.0.display(),
-        dir.path().display()
-    );
-    let args = alpha_of_two_nodes(dir.path(), &alpha);
+    let (_failing, _dir, args) = alpha_on_a_failing_device();
     let mut beta_args = args.clone();
     beta_args[3] = "beta".into();
     let mut beta = Server::start_expecting(&beta_args, 1);
@@ -373,6 +359,20 @@ fn a_primary_whose_disk_fails_detaches_it_and_serves_from_its_peer() {
     );
     beta.signal("TERM");
     assert!(beta.wait_exit(Duration::from_secs(30)).unwrap().success());
+}
+
+/// `netblk serve`'s arguments for alpha of [`alpha_of_two_nodes`], in page-cache mode on
+/// a [`FailingDevice`]; the device and the directory live as long as the returned values.
+fn alpha_on_a_failing_device() -> (FailingDevice, tempfile::TempDir, Vec<String>) {
+    let failing = FailingDevice::new();
+    let dir = tempfile::tempdir().unwrap();
+    let alpha = format!(
+        "backing = \"{}\"\ncache = \"writeback\"\nmetadata = \"{}/alpha.meta\"\n",
+        failing.device.0.display(),
+        dir.path().display()
+    );
+    let args = alpha_of_two_nodes(dir.path(), &alpha);
+    (failing, dir, args)
 }
 
 /// What `netblk status` (with `extra` arguments) prints for the node that `args` (from

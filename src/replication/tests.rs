@@ -111,6 +111,17 @@ struct Pair {
 }
 
 impl Pair {
+    /// Whether the primary's and the first secondary's disks hold the same bytes.
+    async fn replicas_equal(&self) -> bool {
+        same_bytes(
+            &*self.primary.local,
+            &*self.secondary.local,
+            0,
+            SIZE as usize,
+        )
+        .await
+    }
+
     /// The primary's export, as its clients reach it.
     fn primary_backend(&self) -> ReplicatedBackend {
         ReplicatedBackend {
@@ -210,6 +221,20 @@ fn pattern(seed: u8, len: usize) -> Bytes {
     )
 }
 
+/// A pair under `protocol` whose primary's disk is a [`FaultyDisk`], and that disk.
+async fn pair_on_a_faulty_disk(protocol: &str) -> (Arc<FaultyDisk>, Pair) {
+    let disk = FaultyDisk::new();
+    let pair = pair(protocol, Arc::clone(&disk) as Arc<dyn Backend>).await;
+    (disk, pair)
+}
+
+/// Whether two disks hold the same bytes in `offset..offset + length`.
+async fn same_bytes(a: &dyn Backend, b: &dyn Backend, offset: u64, length: usize) -> bool {
+    let a = a.read(offset, length).await.unwrap().bytes();
+    let b = b.read(offset, length).await.unwrap().bytes();
+    a == b
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_protocol_delivers_writes_trims_and_zeroes_by_the_next_flush() {
     for protocol in ["A", "B", "C"] {
@@ -240,21 +265,10 @@ async fn every_protocol_delivers_writes_trims_and_zeroes_by_the_next_flush() {
             .unwrap();
         backend.trim(6 << 20, 1 << 20, false).await.unwrap();
         backend.flush().await.unwrap();
-        let mine = pair
-            .primary
-            .local
-            .read(0, SIZE as usize)
-            .await
-            .unwrap()
-            .bytes();
-        let theirs = pair
-            .secondary
-            .local
-            .read(0, SIZE as usize)
-            .await
-            .unwrap()
-            .bytes();
-        assert!(mine == theirs, "protocol {protocol}: replicas differ");
+        assert!(
+            pair.replicas_equal().await,
+            "protocol {protocol}: replicas differ"
+        );
         assert_eq!(
             pair.primary.status().out_of_sync_bytes,
             0,
@@ -266,8 +280,7 @@ async fn every_protocol_delivers_writes_trims_and_zeroes_by_the_next_flush() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_local_read_error_is_served_by_the_peer_and_rewritten_locally() {
-    let bad = FaultyDisk::new();
-    let pair = pair("C", Arc::clone(&bad) as Arc<dyn Backend>).await;
+    let (bad, pair) = pair_on_a_faulty_disk("C").await;
     let backend = pair.primary_backend();
     let data = pattern(9, 65536);
     backend.write(0, data.clone().into(), false).await.unwrap();
@@ -297,8 +310,7 @@ async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
 /// and the peer promoted, the node is resynced in full and attaches again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_local_write_error_the_peer_applied_detaches_the_disk_and_the_peer_serves() {
-    let disk = FaultyDisk::new();
-    let pair = pair("C", Arc::clone(&disk) as Arc<dyn Backend>).await;
+    let (disk, pair) = pair_on_a_faulty_disk("C").await;
     let backend = pair.primary_backend();
     backend
         .write(0, pattern(1, 65536).into(), false)
@@ -360,16 +372,8 @@ async fn a_local_write_error_the_peer_applied_detaches_the_disk_and_the_peer_ser
     })
     .await;
     assert_eq!(pair.primary.status().detached, None);
-    let mine = disk.inner.read(0, SIZE as usize).await.unwrap().bytes();
-    let theirs = pair
-        .secondary
-        .local
-        .read(0, SIZE as usize)
-        .await
-        .unwrap()
-        .bytes();
     assert!(
-        mine == theirs,
+        same_bytes(&disk.inner, &*pair.secondary.local, 0, SIZE as usize).await,
         "the resynced disk differs from the new primary's"
     );
     let _ = pair.stop.send(true);
@@ -381,8 +385,7 @@ async fn a_local_write_error_the_peer_applied_detaches_the_disk_and_the_peer_ser
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_local_write_error_no_peer_applied_fails_and_keeps_the_disk() {
     for (protocol, peer_running) in [("B", true), ("C", false)] {
-        let disk = FaultyDisk::new();
-        let nodes = pair(protocol, Arc::clone(&disk) as Arc<dyn Backend>).await;
+        let (disk, nodes) = pair_on_a_faulty_disk(protocol).await;
         if !peer_running {
             let _ = nodes.stop.0[1].send(true);
             wait_until("the primary sees its peer go", || {
@@ -413,8 +416,7 @@ async fn a_local_write_error_no_peer_applied_fails_and_keeps_the_disk() {
 /// durable on the peer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_local_flush_error_the_peer_covered_detaches_the_disk() {
-    let disk = FaultyDisk::new();
-    let pair = pair("C", Arc::clone(&disk) as Arc<dyn Backend>).await;
+    let (disk, pair) = pair_on_a_faulty_disk("C").await;
     let backend = pair.primary_backend();
     backend
         .write(0, pattern(4, 4096).into(), false)
@@ -513,22 +515,9 @@ async fn three_nodes_all_hold_every_write_and_secondaries_link_idle() {
     })
     .await
     .expect("every pair of nodes connects");
-    let mine = trio
-        .primary
-        .local
-        .read(0, SIZE as usize)
-        .await
-        .unwrap()
-        .bytes();
     for secondary in &trio.secondaries {
-        let theirs = secondary
-            .local
-            .read(0, SIZE as usize)
-            .await
-            .unwrap()
-            .bytes();
         assert!(
-            mine == theirs,
+            same_bytes(&*trio.primary.local, &*secondary.local, 0, SIZE as usize).await,
             "{} differs from the primary",
             secondary.node
         );
@@ -563,21 +552,10 @@ async fn the_first_full_resync_sends_only_differing_regions_at_the_configured_ra
         elapsed >= Duration::from_millis(450),
         "2 MiB at 4 MiB/s took only {elapsed:?}"
     );
-    let mine = pair
-        .primary
-        .local
-        .read(0, SIZE as usize)
-        .await
-        .unwrap()
-        .bytes();
-    let theirs = pair
-        .secondary
-        .local
-        .read(0, SIZE as usize)
-        .await
-        .unwrap()
-        .bytes();
-    assert!(mine == theirs, "the full resync left differences");
+    assert!(
+        pair.replicas_equal().await,
+        "the full resync left differences"
+    );
     let status = pair.primary.status();
     assert_eq!(status.peers[0].resync_total_bytes, SIZE);
     assert_eq!(status.peers[0].resync_sent_bytes, 2 << 20);
@@ -607,21 +585,7 @@ async fn a_resync_run_sends_only_its_regions_that_differ() {
             .unwrap();
     }
     let pair = cluster("C", 2, primary, "100G", 2, Some(secondary)).await;
-    let mine = pair
-        .primary
-        .local
-        .read(0, SIZE as usize)
-        .await
-        .unwrap()
-        .bytes();
-    let theirs = pair
-        .secondary
-        .local
-        .read(0, SIZE as usize)
-        .await
-        .unwrap()
-        .bytes();
-    assert!(mine == theirs, "the resync left differences");
+    assert!(pair.replicas_equal().await, "the resync left differences");
     let status = pair.primary.status();
     assert_eq!(status.peers[0].resync_total_bytes, SIZE);
     assert_eq!(
@@ -850,10 +814,8 @@ async fn after_a_failover_a_write_only_one_secondary_got_is_resynced_to_the_othe
             gamma.status()
         )
     });
-    let theirs = gamma.local.read(offset, 65536).await.unwrap().bytes();
-    let mine = beta.local.read(offset, 65536).await.unwrap().bytes();
     assert!(
-        mine == theirs,
+        same_bytes(&*beta.local, &*gamma.local, offset, 65536).await,
         "gamma differs from beta where only beta had the write"
     );
     let _ = trio.stop.send(true);

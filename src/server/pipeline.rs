@@ -485,7 +485,7 @@ struct Pipeline {
     /// into one ([`Backend::read_to_pipe`]). Cleared if the socket refuses a splice.
     splice: bool,
     /// The stream is a kernel socket, whose `writev` the kernel copies from our memory:
-    /// large cached reads that are not spliced are copied into it straight from the
+    /// cached reads of a page or more that are not spliced are copied into it from the
     /// backend's mapping of its file ([`Backend::read_mapped`]). Never a stream that reads
     /// the bytes in user space, where a page that cannot be read back would be a `SIGBUS`
     /// instead of that one `writev`'s `EFAULT`.
@@ -840,7 +840,7 @@ impl Pipeline {
         self.backend.read_to_pipe(offset, length as usize)
     }
 
-    /// A large cached read as part of the backend's mapping of its file, for the socket's
+    /// A cached read (a page or more) as part of the backend's mapping of its file, for the socket's
     /// `writev` to copy straight from the page cache (one copy instead of two: the page
     /// cache into a buffer, the buffer into the socket), when the socket is one the kernel
     /// copies into and the whole range is cached. Measured reason: ARCHITECTURE.md, "Cached
@@ -3066,8 +3066,8 @@ mod tests {
 
     /// Large cached reads that are not spliced (here: no pipe is ever free, as when the
     /// client was measured to take copies faster) are copied into the socket from the
-    /// file's mapping: whole reads and the whole pieces of a streamed one, several in
-    /// flight; every byte matches, and small reads and short pieces are still copied.
+    /// file's mapping: whole reads and the whole pieces of a streamed one, down to a page,
+    /// several in flight; every byte matches.
     #[tokio::test]
     async fn cached_file_reads_that_are_not_spliced_leave_from_the_mapping_byte_for_byte() {
         let (tmp, pattern, backend) = mapping_file_export(8 << 20, 13, 251, 0);
@@ -3077,10 +3077,10 @@ mod tests {
         assert_eq!(backend.spliced.load(std::sync::atomic::Ordering::SeqCst), 0);
         let file = std::fs::File::open(tmp.path()).unwrap();
         if crate::backend::splice::cached(&file, 0, 8 << 20) == Some(true) {
-            // 1 + 3 + 1 + 1 mapped: the second read's short last piece (4,097 bytes) and
-            // the 4 KiB read are too small, and are copied.
-            assert_eq!(backend.mapped.load(std::sync::atomic::Ordering::SeqCst), 6);
-            assert_eq!(backend.reads.load(std::sync::atomic::Ordering::SeqCst), 2);
+            // 1 + 4 + 1 + 1 + 1 mapped: the second read's short last piece (4,097 bytes)
+            // and the 4 KiB read too, as they are a page or more.
+            assert_eq!(backend.mapped.load(std::sync::atomic::Ordering::SeqCst), 8);
+            assert_eq!(backend.reads.load(std::sync::atomic::Ordering::SeqCst), 0);
         }
     }
 

@@ -34,6 +34,7 @@ fn run_connection(input: Vec<u8>) {
             handshake_timeout: Duration::from_secs(5),
             max_merge: crate::server::DEFAULT_MAX_MERGE,
             tcp: crate::tcp::TcpSettings::default(),
+            clients: Default::default(),
         });
         let (client, server) = tokio::io::duplex(256 * 1024);
         let (mut client_read, mut client_write) = tokio::io::split(client);

@@ -10,6 +10,8 @@
 //!   sparse [`backend::memory`] (its pages from the huge-page pool, [`backend::page_pool`])
 //!   and the [`backend::file`] (file or block device) engines, the io_uring driver
 //!   ([`backend::uring`]) and zero-copy page-cache reads ([`backend::splice`]).
+//! - [`control`]: the local control socket that `netblk status` and the other commands
+//!   talk to, for a plain server and for a replicated node.
 //! - [`config`]: the TOML file for several exports; [`listen`]: listen addresses;
 //!   [`tcp`]: the socket settings every TCP connection gets.
 //! - [`replication`]: replication of an export across nodes (a backend layer), its
@@ -30,6 +32,7 @@
 pub mod backend;
 pub mod buffer;
 pub mod config;
+pub mod control;
 pub mod fuzzing;
 pub mod idle;
 pub mod listen;

@@ -365,6 +365,7 @@ mod tests {
                     handshake_timeout: Duration::from_secs(10),
                     max_merge: DEFAULT_MAX_MERGE,
                     tcp: crate::tcp::TcpSettings::default(),
+                    clients: Default::default(),
                 };
                 serve(vec![Listener::Tcp(listener)], config, async {
                     let _ = stop_rx.await;

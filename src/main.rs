@@ -11,6 +11,8 @@ use clap::{Parser, Subcommand};
 use netblk::backend::{BackingSpec, CacheMode};
 use netblk::config::{Config, ExportConfig};
 use netblk::listen::ListenAddr;
+use netblk::server::clients::Clients;
+use netblk::server::control::{run_control, ExportDescription, ServerState};
 use netblk::server::{serve_on, ConnectionThreads, Export, ServerConfig, DEFAULT_MAX_MERGE};
 use netblk::size::parse_size;
 use netblk::tcp::TcpSettings;
@@ -38,8 +40,10 @@ enum Commands {
     /// fio --ioengine=nbd --uri=nbd://127.0.0.1:10809 ...
     #[command(verbatim_doc_comment)]
     Serve(Box<ServeArgs>),
-    /// Show a replicated node's role, peers, out-of-sync amount and resync progress.
+    /// Show a replicated node's role, peers, out-of-sync amount and resync progress, or a
+    /// server's exports and clients (one started with --control PATH).
     /// Example: netblk status --config r0.toml --node alpha --json
+    /// Example: netblk status --control /run/netblk.ctl
     Status {
         #[command(flatten)]
         target: ControlTarget,
@@ -73,7 +77,7 @@ enum Commands {
     },
 }
 
-/// Which node a control command talks to.
+/// Which node or server a control command talks to.
 #[derive(clap::Args)]
 struct ControlTarget {
     /// The resource file. Example: --config r0.toml
@@ -82,7 +86,8 @@ struct ControlTarget {
     /// The node, as named in the resource file. Example: --node alpha
     #[arg(long, value_name = "NAME", required_unless_present = "control")]
     node: Option<String>,
-    /// The node's control socket, instead of --config and --node.
+    /// The control socket of a node (instead of --config and --node) or of a server
+    /// started with `netblk serve --control PATH`.
     #[arg(long, value_name = "PATH", conflicts_with_all = ["config", "node"])]
     control: Option<PathBuf>,
 }
@@ -168,6 +173,13 @@ struct ServeArgs {
     #[arg(long, value_name = "SIZE")]
     tcp_receive_buffer: Option<String>,
 
+    /// A control socket (a Unix socket path) for `netblk status --control PATH`: the
+    /// exports, whether FLUSH still works on each, and the connected clients. A replicated
+    /// node's control socket is named in its resource file instead.
+    /// Example: --control /run/netblk.ctl
+    #[arg(long, value_name = "PATH", conflicts_with = "node")]
+    control: Option<PathBuf>,
+
     /// Worker threads that serve connections (default: one per CPU). Example: --threads 2
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
     threads: Option<u16>,
@@ -215,6 +227,9 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
         if netblk::replication::config::is_resource_file(&text) {
+            if args.control.is_some() {
+                bail!("--control does not apply to a resource file: each node's control socket is in it");
+            }
             return run_replicated(&args, path);
         }
         if args.node.is_some() {
@@ -267,6 +282,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         .map(|l| ListenAddr::parse(l).map_err(|e| anyhow::anyhow!("--listen {e}")))
         .collect::<anyhow::Result<Vec<_>>>()?;
     let mut opened = Vec::new();
+    let mut described = Vec::new();
     for export in exports {
         let backend = export
             .backing
@@ -279,11 +295,21 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
             }
             _ => backend,
         };
-        opened.push(Arc::new(Export {
+        let (backing, on_disk) = match &export.backing {
+            BackingSpec::Memory { size } => (format!("memory:{size}"), false),
+            BackingSpec::Path(path) => (path.display().to_string(), true),
+        };
+        let opened_export = Arc::new(Export {
             name: export.name,
             description: export.description,
             backend,
-        }));
+        });
+        described.push(ExportDescription {
+            export: Arc::clone(&opened_export),
+            backing,
+            on_disk,
+        });
+        opened.push(opened_export);
     }
     let max_merge = match &args.max_merge {
         None => DEFAULT_MAX_MERGE,
@@ -324,19 +350,45 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         for addr in &addrs {
             listeners.push(addr.bind(&tcp).await?);
         }
+        // Bound before the server reports ready, so a status asked for at once is answered.
+        let control = match &args.control {
+            Some(path) => Some((
+                netblk::control::bind(path)
+                    .with_context(|| format!("binding control socket {}", path.display()))?,
+                path.clone(),
+            )),
+            None => None,
+        };
         let mut stdout = std::io::stdout().lock();
         for listener in &listeners {
             writeln!(stdout, "listening on {}", listener.describe())?;
         }
         stdout.flush()?;
         drop(stdout);
+        let clients: Arc<Clients> = Default::default();
+        let (stop_control, control_stopped) = tokio::sync::watch::channel(false);
+        let control = control.map(|(listener, path)| {
+            let state = Arc::new(ServerState {
+                exports: described,
+                clients: Arc::clone(&clients),
+                started: std::time::Instant::now(),
+            });
+            tokio::spawn(run_control(state, listener, path, control_stopped))
+        });
         let config = ServerConfig {
             exports: opened,
             handshake_timeout,
             max_merge,
             tcp,
+            clients,
         };
-        serve_on(listeners, config, shutdown, Some(threads)).await
+        let served = serve_on(listeners, config, shutdown, Some(threads)).await;
+        let _ = stop_control.send(true);
+        if let Some(control) = control {
+            // It removes its socket file as it ends.
+            let _ = control.await;
+        }
+        served
     })
 }
 
@@ -417,7 +469,12 @@ fn watch_resync(target: &ControlTarget) -> anyhow::Result<()> {
     .progress_chars("=> ");
     let mut shown: HashMap<String, ProgressBar> = HashMap::new();
     loop {
-        let reply = control::request(&path, "status")?;
+        let reply = netblk::control::request(&path, "status")?;
+        if let Some(server) = &reply.server {
+            // A plain server: nothing resyncs there.
+            print!("{}", netblk::control::render_server(server));
+            return Ok(());
+        }
         let Some(status) = reply.status else {
             bail!("status: {}", reply.message);
         };
@@ -466,9 +523,8 @@ fn watch_resync(target: &ControlTarget) -> anyhow::Result<()> {
 }
 
 fn run_control_command(target: &ControlTarget, request: &str, json: bool) -> anyhow::Result<()> {
-    use netblk::replication::control;
     let path = control_path(target)?;
-    let reply = control::request(&path, request)?;
+    let reply = netblk::control::request(&path, request)?;
     let mut stdout = std::io::stdout().lock();
     if json {
         writeln!(stdout, "{}", serde_json::to_string_pretty(&reply)?)?;
@@ -477,7 +533,10 @@ fn run_control_command(target: &ControlTarget, request: &str, json: bool) -> any
             writeln!(stdout, "{}", reply.message)?;
         }
         if let Some(status) = &reply.status {
-            write!(stdout, "{}", control::render(status))?;
+            write!(stdout, "{}", netblk::replication::control::render(status))?;
+        }
+        if let Some(server) = &reply.server {
+            write!(stdout, "{}", netblk::control::render_server(server))?;
         }
     }
     if !reply.ok {

@@ -175,6 +175,7 @@ fn allocations_per_request(backend: Arc<dyn Backend>, kind: Kind, load: &Load) -
             handshake_timeout: std::time::Duration::from_secs(10),
             max_merge: DEFAULT_MAX_MERGE,
             tcp: Default::default(),
+            clients: Default::default(),
         };
         let served = tokio::spawn(serve(vec![Listener::Tcp(listener)], config, async {
             let _ = stopped.await;

@@ -1,8 +1,9 @@
 //! Exporting a real block device (a loop device over a temporary file): its size comes
 //! from the device, and writes, zeroing and discard reach the device's bytes; a device
-//! that fails writeback fails every FLUSH after it, and a replicated node on it leaves its
-//! metadata for a resync, or with its peer connected detaches the disk and serves from
-//! the peer; a node whose metadata cannot be written stops writes and says why.
+//! that fails writeback fails every FLUSH after it (and `netblk status` says why), and a
+//! replicated node on it leaves its metadata for a resync, or with its peer connected
+//! detaches the disk and serves from the peer; a node whose metadata cannot be written
+//! stops writes and says why.
 
 mod common;
 
@@ -180,7 +181,21 @@ fn a_failed_sync_fails_every_flush_after_it() {
     ];
     for (device, cache, steps, expected) in cases {
         let failing = device();
-        let mut server = Server::start(&[cache, failing.device.0.to_str().unwrap()]);
+        let control = failing._dir.path().join("ctl.sock");
+        let control = control.to_str().unwrap();
+        let device = failing.device.0.to_str().unwrap();
+        let mut server = Server::start(&[cache, device, "--control", control]);
+        let flush_stopped = || {
+            let out = run_stdout(Command::new(env!("CARGO_BIN_EXE_netblk")).args([
+                "status",
+                "--control",
+                control,
+                "--json",
+            ]));
+            let reply: serde_json::Value = serde_json::from_str(&out).unwrap();
+            reply["server"]["exports"][0]["flush_stopped"].clone()
+        };
+        assert!(flush_stopped().is_null());
         let uri = server.uri();
         let mut args = vec![uri.as_str()];
         args.extend_from_slice(steps);
@@ -188,6 +203,13 @@ fn a_failed_sync_fails_every_flush_after_it() {
             python(WRITEBACK_FAILS, &args),
             expected,
             "{cache} {steps:?}"
+        );
+        // `netblk status` says so too, with the error.
+        let why = flush_stopped();
+        assert!(
+            why.as_str()
+                .is_some_and(|w| w.contains("Input/output error")),
+            "{cache} {steps:?}: {why}"
         );
         // Stopped, the server says that its final flush failed, in its exit status too.
         server.signal("TERM");

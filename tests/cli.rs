@@ -260,3 +260,102 @@ fn sigterm_finishes_requests_in_flight_flushes_and_exits_zero() {
     let _ = fio.kill();
     let _ = fio.wait();
 }
+
+/// Connects to the `mem` export of the server at argv[1] and holds a second connection that
+/// never negotiates, then prints what `netblk status --control argv[2] --json` says.
+const STATUS_WHILE_CONNECTED: &str = r#"
+import nbd, socket, subprocess, sys
+addr, control, netblk = sys.argv[1], sys.argv[2], sys.argv[3]
+h = nbd.NBD()
+h.set_export_name("mem")
+h.connect_tcp(*addr.split(":"))
+h.pwrite(b"x" * 4096, 0)
+host, port = addr.split(":")
+silent = socket.create_connection((host, int(port)))
+print(subprocess.run([netblk, "status", "--control", control, "--json"],
+                     check=True, capture_output=True, text=True).stdout)
+"#;
+
+#[test]
+fn a_control_socket_shows_the_exports_and_the_clients() {
+    if !have("nbdsh") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let control = dir.path().join("ctl.sock");
+    let config = dir.path().join("exports.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "listen = [\"127.0.0.1:0\"]\n\
+             [[export]]\nname = \"mem\"\nbacking = \"memory:16M\"\n\
+             [[export]]\nname = \"disk\"\nbacking = \"{}\"\nsize = \"16M\"\ncache = \"none\"\n",
+            dir.path().join("disk.img").display()
+        ),
+    )
+    .unwrap();
+    let (config, control_text) = (config.to_str().unwrap(), control.to_str().unwrap());
+    let server = Server::start(&["--config", config, "--control", control_text]);
+    let shown = python(
+        STATUS_WHILE_CONNECTED,
+        &[server.tcp(), control_text, env!("CARGO_BIN_EXE_netblk")],
+    );
+    let reply: serde_json::Value = serde_json::from_str(&shown).unwrap();
+    let status = &reply["server"];
+    let exports: Vec<_> = status["exports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e["name"].as_str().unwrap(),
+                e["size"].as_u64().unwrap(),
+                e["cache"].as_str(),
+                e["clients"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        exports,
+        [
+            ("mem", 16 << 20, None, 1),
+            ("disk", 16 << 20, Some("none"), 0)
+        ],
+        "{shown}"
+    );
+    let clients: Vec<_> = status["clients"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["export"].as_str())
+        .collect();
+    assert_eq!(clients, [Some("mem"), None], "{shown}");
+
+    // Once they are gone, so are their entries; the text form says the same.
+    let text = |args: &[&str]| {
+        let out = netblk(&[args, &["--control", control_text]].concat());
+        let said = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        (out.status.success(), said)
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let (ok, said) = text(&["status"]);
+        assert!(ok, "{said}");
+        if said.contains("2 exports, 0 clients") {
+            assert!(
+                said.contains("export \"disk\" (") && said.contains("cache none"),
+                "{said}"
+            );
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{said}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The commands of a replicated node are refused, as an error.
+    let (ok, said) = text(&["promote"]);
+    assert!(!ok && said.contains("not a replicated node"), "{said}");
+    // The socket goes with the server.
+    assert!(server.stop().success());
+    assert!(!control.exists());
+}

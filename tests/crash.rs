@@ -133,6 +133,7 @@ fn acknowledged_writes_survive_a_power_cut_that_keeps_any_subset_of_the_cache() 
                     handshake_timeout: Duration::from_secs(10),
                     max_merge: DEFAULT_MAX_MERGE,
                     tcp: TcpSettings::default(),
+                    clients: Default::default(),
                 };
                 let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
                 let served = tokio::spawn(serve(vec![Listener::Tcp(listener)], config, async {

@@ -1,14 +1,12 @@
-//! The node's local control socket (Unix, never on the network): one request line per
-//! connection (`status`, `promote`, `promote --force`, `demote`, `verify`), one JSON
-//! reply line. `netblk status|promote|demote|verify` are its clients.
+//! What a replicated node answers on its control socket ([`crate::control`]): `status`,
+//! `promote`, `promote --force`, `demote` and `verify`, each answered with the node's
+//! [`Status`].
 
-use std::io::{BufRead, BufReader, Write};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader as AsyncBufReader};
 use tokio::net::UnixListener;
 use tokio::sync::watch;
 use tracing::{info, warn};
@@ -17,6 +15,7 @@ use super::layer::Shared;
 use super::meta::REGION_SIZE;
 use super::peer::{Plan, WaitKey};
 use super::wire::Message;
+use crate::control::Reply;
 
 /// A node's state as `netblk status` shows it.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -72,14 +71,6 @@ impl PeerStatus {
     pub fn resyncing(&self) -> bool {
         self.connected && self.resync_done_bytes < self.resync_total_bytes
     }
-}
-
-/// The reply to any control request.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct Reply {
-    pub ok: bool,
-    pub message: String,
-    pub status: Option<Status>,
 }
 
 impl Shared {
@@ -244,11 +235,13 @@ async fn answer(shared: &Shared, request: &str) -> Reply {
             ok: true,
             message,
             status: Some(shared.status()),
+            server: None,
         },
         Err(message) => Reply {
             ok: false,
             message,
             status: Some(shared.status()),
+            server: None,
         },
     };
     match words.as_slice() {
@@ -290,91 +283,18 @@ async fn answer(shared: &Shared, request: &str) -> Reply {
     }
 }
 
-/// Binds the control socket; a stale socket file (nobody listening) is replaced.
-pub fn bind_control(path: &Path) -> std::io::Result<UnixListener> {
-    if path.exists() {
-        if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::AddrInUse,
-                format!("{} is in use by another node", path.display()),
-            ));
-        }
-        std::fs::remove_file(path)?;
-    }
-    UnixListener::bind(path)
-}
-
-/// Serves the control socket until `stop` turns true, then removes its file.
+/// Serves the node's control socket until `stop` turns true, then removes its file.
 pub async fn run_control(
     shared: Arc<Shared>,
     listener: UnixListener,
     path: PathBuf,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
 ) {
-    loop {
-        let accepted = tokio::select! {
-            _ = stop.wait_for(|s| *s) => break,
-            accepted = listener.accept() => accepted,
-        };
-        let Ok((stream, _)) = accepted else { continue };
+    crate::control::serve(listener, path, stop, move |line| {
         let shared = Arc::clone(&shared);
-        tokio::spawn(async move {
-            let (read, mut write) = stream.into_split();
-            let mut line = String::new();
-            let mut reader = AsyncBufReader::new(read);
-            if reader.read_line(&mut line).await.is_err() {
-                return;
-            }
-            let reply = answer(&shared, line.trim()).await;
-            let mut text = serde_json::to_string(&reply).expect("serializable reply");
-            text.push('\n');
-            let _ = write.write_all(text.as_bytes()).await;
-        });
-    }
-    let _ = std::fs::remove_file(&path);
-}
-
-/// Errors of the control client.
-#[derive(Debug, thiserror::Error)]
-pub enum ControlError {
-    #[error("cannot reach the node at {path} (is it running?): {source}")]
-    Connect {
-        path: String,
-        source: std::io::Error,
-    },
-    #[error("control socket {path}: {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
-    #[error("control socket {path}: bad reply: {source}")]
-    BadReply {
-        path: String,
-        source: serde_json::Error,
-    },
-}
-
-/// Sends one request to a node's control socket and returns its reply.
-pub fn request(path: &Path, request: &str) -> Result<Reply, ControlError> {
-    let shown = path.display().to_string();
-    let mut stream =
-        std::os::unix::net::UnixStream::connect(path).map_err(|source| ControlError::Connect {
-            path: shown.clone(),
-            source,
-        })?;
-    let io = |source| ControlError::Io {
-        path: shown.clone(),
-        source,
-    };
-    stream
-        .write_all(format!("{request}\n").as_bytes())
-        .map_err(io)?;
-    let mut line = String::new();
-    BufReader::new(stream).read_line(&mut line).map_err(io)?;
-    serde_json::from_str(&line).map_err(|source| ControlError::BadReply {
-        path: shown.clone(),
-        source,
+        async move { answer(&shared, &line).await }
     })
+    .await;
 }
 
 /// A human-readable rendering of a status.

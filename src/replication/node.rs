@@ -11,7 +11,7 @@ use tokio::sync::watch;
 use tracing::{info, warn};
 
 use super::config::ResourceConfig;
-use super::control::{bind_control, run_control};
+use super::control::run_control;
 use super::layer::{ReplicatedBackend, Shared};
 use super::meta::Metadata;
 use super::peer::run_replication;
@@ -76,7 +76,7 @@ impl Node {
             .await
             .with_context(|| format!("binding replication address {}", me.replication))?;
         let clients = me.listen.bind(&shared.tcp).await?;
-        let control = bind_control(&me.control)
+        let control = crate::control::bind(&me.control)
             .with_context(|| format!("binding control socket {}", me.control.display()))?;
         Ok(Node {
             shared,
@@ -131,6 +131,7 @@ impl Node {
             handshake_timeout: self.handshake_timeout,
             max_merge: crate::server::DEFAULT_MAX_MERGE,
             tcp: self.shared.tcp.clone(),
+            clients: Default::default(),
         };
         let result = serve(vec![self.clients], config, shutdown).await;
         // The final flush above reached every connected peer: nothing is missing there.

@@ -4,7 +4,9 @@
 //! shutdown future. On shutdown it stops accepting, lets every connection finish the
 //! requests it has in flight, flushes every export and returns.
 
+pub mod clients;
 mod coalesce;
+pub mod control;
 mod flush_ahead;
 pub mod handshake;
 mod idle_spin;
@@ -29,6 +31,7 @@ use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{mpsc, watch};
 use tracing::{error, info, warn, Instrument};
 
+use self::clients::{ClientSlot, Clients};
 use crate::backend::uring::LoneThread;
 use crate::backend::Backend;
 use crate::tcp::TcpSettings;
@@ -61,6 +64,8 @@ pub struct ServerConfig {
     /// Settings for accepted TCP connections whose listener did not already give them
     /// (listeners from [`crate::listen::ListenAddr::bind`] did).
     pub tcp: TcpSettings,
+    /// The connections, as `netblk status` lists them ([`control`]).
+    pub clients: Arc<Clients>,
 }
 
 /// The default for [`ServerConfig::max_merge`] (see ARCHITECTURE.md for the measurement).
@@ -174,7 +179,11 @@ async fn accept_loop(
         match accepted {
             Ok((stream, peer)) => {
                 let span = tracing::info_span!("conn", %peer);
-                let (config, stop, alive) = (Arc::clone(&config), stop.clone(), alive.clone());
+                let alive = Alive {
+                    _done: alive.clone(),
+                    client: Some(config.clients.join(peer)),
+                };
+                let (config, stop) = (Arc::clone(&config), stop.clone());
                 match &threads {
                     Some(threads) => {
                         let task =
@@ -183,7 +192,7 @@ async fn accept_loop(
                     }
                     None => match stream.register() {
                         Ok(stream) => {
-                            let task = handle_connection(stream, config, stop, alive);
+                            let task = serve_connection(stream, config, stop, alive);
                             tokio::spawn(task.instrument(span));
                         }
                         Err(e) => warn!("registering the connection failed: {e}"),
@@ -477,7 +486,7 @@ impl ConnectionThreads {
         negotiated: handshake::Negotiated,
         config: Arc<ServerConfig>,
         stop: watch::Receiver<bool>,
-        alive: mpsc::Sender<()>,
+        alive: Alive,
     ) {
         let thread = self
             .runtimes
@@ -515,16 +524,48 @@ impl Drop for ConnectionThreads {
     }
 }
 
-/// Negotiates and then serves one connection.
+/// Negotiates and then serves one connection; `alive` is dropped when it ends. (The
+/// server's own connections are also listed in [`ServerConfig::clients`].)
 pub async fn handle_connection<S: Stream>(
+    stream: S,
+    config: Arc<ServerConfig>,
+    stop: watch::Receiver<bool>,
+    alive: mpsc::Sender<()>,
+) {
+    let alive = Alive {
+        _done: alive,
+        client: None,
+    };
+    serve_connection(stream, config, stop, alive).await;
+}
+
+/// What a connection holds while it lives: the server's shutdown waits until every one is
+/// dropped, and its client slot lists it for `netblk status`.
+struct Alive {
+    _done: mpsc::Sender<()>,
+    client: Option<ClientSlot>,
+}
+
+impl Alive {
+    /// Records the export the handshake chose.
+    fn transmitting(&self, export: &str) {
+        if let Some(client) = &self.client {
+            client.transmitting(export);
+        }
+    }
+}
+
+/// [`handle_connection`].
+async fn serve_connection<S: Stream>(
     mut stream: S,
     config: Arc<ServerConfig>,
     mut stop: watch::Receiver<bool>,
-    alive: mpsc::Sender<()>,
+    alive: Alive,
 ) {
     let Some(negotiated) = negotiate(&mut stream, &config, &mut stop).await else {
         return;
     };
+    alive.transmitting(&negotiated.export.name);
     pipeline::run(stream, negotiated, config.max_merge, stop).await;
     drop(alive);
 }
@@ -552,7 +593,7 @@ async fn place_connection(
     stream: Accepted,
     config: Arc<ServerConfig>,
     stop: watch::Receiver<bool>,
-    alive: mpsc::Sender<()>,
+    alive: Alive,
     threads: Arc<ConnectionThreads>,
 ) {
     let registered = match stream {
@@ -576,12 +617,13 @@ async fn place_registered<S: Unregister>(
     mut stream: S,
     config: Arc<ServerConfig>,
     mut stop: watch::Receiver<bool>,
-    alive: mpsc::Sender<()>,
+    alive: Alive,
     threads: Arc<ConnectionThreads>,
 ) {
     let Some(negotiated) = negotiate(&mut stream, &config, &mut stop).await else {
         return;
     };
+    alive.transmitting(&negotiated.export.name);
     if negotiated.export.backend.completes_through_ring() {
         pipeline::run(stream, negotiated, config.max_merge, stop).await;
         drop(alive);

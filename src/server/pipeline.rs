@@ -2786,6 +2786,7 @@ mod tests {
             handshake_timeout: Duration::from_secs(5),
             max_merge: crate::server::DEFAULT_MAX_MERGE,
             tcp: crate::tcp::TcpSettings::default(),
+            clients: Default::default(),
         });
         let (_stop_tx, stop_rx) = watch::channel(false);
         let (alive_tx, _alive_rx) = tokio::sync::mpsc::channel(1);

@@ -1,0 +1,249 @@
+//! The local control socket of a running server or replicated node (Unix, never on the
+//! network): one request line per connection, one JSON [`Reply`] line back.
+//! `netblk status|promote|demote|verify` are its clients. A replicated node answers
+//! with its [`Status`] ([`crate::replication::control`]); a plain `netblk serve --control`
+//! answers `status` with its exports and clients ([`ServerStatus`], from
+//! [`crate::server::control`]).
+
+use std::future::Future;
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader as AsyncBufReader};
+use tokio::net::UnixListener;
+use tokio::sync::watch;
+
+use crate::replication::control::Status;
+use crate::server::clients::ClientStatus;
+
+/// The reply to any control request.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Reply {
+    pub ok: bool,
+    pub message: String,
+    /// A replicated node's status.
+    pub status: Option<Status>,
+    /// A plain server's status.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server: Option<ServerStatus>,
+}
+
+/// A plain server's state as `netblk status` shows it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ServerStatus {
+    pub uptime_seconds: u64,
+    pub exports: Vec<ExportStatus>,
+    /// Every connection, oldest first, negotiating ones included.
+    pub clients: Vec<ClientStatus>,
+}
+
+/// One export of a plain server.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ExportStatus {
+    pub name: String,
+    /// `memory:SIZE`, or the file or block device.
+    pub backing: String,
+    pub size: u64,
+    pub read_only: bool,
+    /// `none` (O_DIRECT) or `writeback` for a file or device; `None` for memory.
+    pub cache: Option<String>,
+    /// Why every FLUSH fails, if a sync of the backing failed (data the kernel had
+    /// accepted may be lost): until the server restarts.
+    pub flush_stopped: Option<String>,
+    /// Connections using this export.
+    pub clients: usize,
+}
+
+/// Binds the control socket; a stale socket file (nobody listening) is replaced.
+pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::AddrInUse,
+                format!("{} is in use by another server", path.display()),
+            ));
+        }
+        std::fs::remove_file(path)?;
+    }
+    UnixListener::bind(path)
+}
+
+/// Serves the control socket, each request line answered by `answer`, until `stop` turns
+/// true; then removes its file.
+pub async fn serve<F, A>(
+    listener: UnixListener,
+    path: PathBuf,
+    mut stop: watch::Receiver<bool>,
+    answer: F,
+) where
+    F: Fn(String) -> A + Clone + Send + 'static,
+    A: Future<Output = Reply> + Send,
+{
+    loop {
+        let accepted = tokio::select! {
+            _ = stop.wait_for(|s| *s) => break,
+            accepted = listener.accept() => accepted,
+        };
+        let Ok((stream, _)) = accepted else { continue };
+        let answer = answer.clone();
+        tokio::spawn(async move {
+            let (read, mut write) = stream.into_split();
+            let mut line = String::new();
+            let mut reader = AsyncBufReader::new(read);
+            if reader.read_line(&mut line).await.is_err() {
+                return;
+            }
+            let reply = answer(line.trim().to_string()).await;
+            let mut text = serde_json::to_string(&reply).expect("serializable reply");
+            text.push('\n');
+            let _ = write.write_all(text.as_bytes()).await;
+        });
+    }
+    let _ = std::fs::remove_file(&path);
+}
+
+/// Errors of the control client.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error("cannot reach the server at {path} (is it running?): {source}")]
+    Connect {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("control socket {path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("control socket {path}: bad reply: {source}")]
+    BadReply {
+        path: String,
+        source: serde_json::Error,
+    },
+}
+
+/// Sends one request to a control socket and returns its reply.
+pub fn request(path: &Path, request: &str) -> Result<Reply, ControlError> {
+    let shown = path.display().to_string();
+    let mut stream =
+        std::os::unix::net::UnixStream::connect(path).map_err(|source| ControlError::Connect {
+            path: shown.clone(),
+            source,
+        })?;
+    let io = |source| ControlError::Io {
+        path: shown.clone(),
+        source,
+    };
+    stream
+        .write_all(format!("{request}\n").as_bytes())
+        .map_err(io)?;
+    let mut line = String::new();
+    BufReader::new(stream).read_line(&mut line).map_err(io)?;
+    serde_json::from_str(&line).map_err(|source| ControlError::BadReply {
+        path: shown.clone(),
+        source,
+    })
+}
+
+/// A human-readable rendering of a plain server's status.
+pub fn render_server(status: &ServerStatus) -> String {
+    let plural = |n: usize, what: &str| format!("{n} {what}{}", if n == 1 { "" } else { "s" });
+    let mut text = format!(
+        "server up {} s: {}, {}\n",
+        status.uptime_seconds,
+        plural(status.exports.len(), "export"),
+        plural(status.clients.len(), "client")
+    );
+    for export in &status.exports {
+        let cache = export
+            .cache
+            .as_ref()
+            .map_or(String::new(), |c| format!(", cache {c}"));
+        text.push_str(&format!(
+            "  export {:?} ({}{cache}): {} bytes, {}, {}\n",
+            export.name,
+            export.backing,
+            export.size,
+            if export.read_only {
+                "read-only"
+            } else {
+                "read-write"
+            },
+            plural(export.clients, "client")
+        ));
+        if let Some(why) = &export.flush_stopped {
+            text.push_str(&format!(
+                "    flushes fail: a sync of the backing failed ({why})\n"
+            ));
+        }
+    }
+    for client in &status.clients {
+        let on = client
+            .export
+            .as_ref()
+            .map_or("negotiating".to_string(), |e| format!("export {e:?}"));
+        text.push_str(&format!(
+            "  client {}: {on}, connected {} s\n",
+            client.peer, client.connected_seconds
+        ));
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_server_status_renders_its_exports_clients_and_failed_flushes() {
+        let status = ServerStatus {
+            uptime_seconds: 12,
+            exports: vec![
+                ExportStatus {
+                    name: String::new(),
+                    backing: "memory:16777216".into(),
+                    size: 16 << 20,
+                    read_only: false,
+                    cache: None,
+                    flush_stopped: None,
+                    clients: 1,
+                },
+                ExportStatus {
+                    name: "disk0".into(),
+                    backing: "/dev/loop0".into(),
+                    size: 1 << 30,
+                    read_only: true,
+                    cache: Some("none".into()),
+                    flush_stopped: Some("Input/output error (os error 5)".into()),
+                    clients: 0,
+                },
+            ],
+            clients: vec![
+                ClientStatus {
+                    peer: "127.0.0.1:40000".into(),
+                    export: Some(String::new()),
+                    connected_seconds: 10,
+                },
+                ClientStatus {
+                    peer: "unix:/run/netblk.sock".into(),
+                    export: None,
+                    connected_seconds: 0,
+                },
+            ],
+        };
+        assert_eq!(
+            render_server(&status),
+            "server up 12 s: 2 exports, 2 clients\n\
+             \x20 export \"\" (memory:16777216): 16777216 bytes, read-write, 1 client\n\
+             \x20 export \"disk0\" (/dev/loop0, cache none): 1073741824 bytes, read-only, 0 clients\n\
+             \x20   flushes fail: a sync of the backing failed (Input/output error (os error 5))\n\
+             \x20 client 127.0.0.1:40000: export \"\", connected 10 s\n\
+             \x20 client unix:/run/netblk.sock: negotiating, connected 0 s\n"
+        );
+        // A reply without the field (a replicated node's, or an older server's) still reads.
+        let reply: Reply =
+            serde_json::from_str(r#"{"ok":true,"message":"","status":null}"#).unwrap();
+        assert_eq!(reply.server, None);
+    }
+}

@@ -489,12 +489,17 @@ except nbd.Error:
         written,
         "write EIO\nwrite EIO\nread 0000\nburst failed 200\nlater failed\n"
     );
-    // 203 failed writes, two warnings each (the activity log's and the request's), are
-    // logged at most ten a second; the first to pass afterwards counts the rest
-    // (`suppressed=N`).
+    // 203 failed writes, one warning each that says why (the activity log could not be
+    // written), are logged at most ten a second; the first to pass afterwards counts the
+    // rest (`suppressed=N`).
     let log = node.stderr();
     let warnings = log.lines().filter(|l| l.contains("activity log")).count();
     assert!((3..=30).contains(&warnings), "{warnings} warnings: {log}");
+    assert!(
+        log.lines()
+            .any(|l| l.contains("activity log of ") && l.contains("failed (EIO): ")),
+        "{log}"
+    );
     assert!(log.contains(" suppressed="), "{log}");
     let shown = node_status(&args, &[]);
     assert!(

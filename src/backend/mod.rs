@@ -56,9 +56,14 @@ pub fn inline_backend_future<'a, T>(
     StackFuture::from(future)
 }
 
-/// An I/O failure with what was being done when it happened.
+/// An I/O failure with what was being done when it happened, and why when that is known
+/// (the system call's error, or a layer's reason): the one line logged for a failed
+/// request, and the message its error reply carries.
 #[derive(Debug, thiserror::Error)]
-#[error("{op} of {length} bytes at offset {offset} failed ({errno})")]
+#[error(
+    "{op} of {length} bytes at offset {offset} failed ({errno}){}",
+    .source.as_ref().map_or(String::new(), |why| format!(": {why}"))
+)]
 pub struct BackendError {
     pub op: &'static str,
     pub offset: u64,
@@ -95,6 +100,21 @@ impl BackendError {
             errno,
             source: None,
             refused_fast_zero: false,
+        }
+    }
+
+    /// An error with a reason of the backend's own (a replication layer's: no peer
+    /// holds the data), said in the one line logged for it.
+    pub fn because(
+        op: &'static str,
+        offset: u64,
+        length: u64,
+        errno: NbdError,
+        why: impl std::fmt::Display,
+    ) -> BackendError {
+        BackendError {
+            source: Some(std::io::Error::other(why.to_string())),
+            ..BackendError::plain(op, offset, length, errno)
         }
     }
 

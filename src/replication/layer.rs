@@ -21,7 +21,6 @@ use crate::backend::{
     backend_future, Backend, BackendError, BackendFuture, Capabilities, Extent, ReadData,
     WriteData, ZeroFlags,
 };
-use crate::log_limit::{warn_limited, FAILED_REQUESTS};
 use crate::tcp::TcpSettings;
 use crate::wire::NbdError;
 
@@ -449,37 +448,34 @@ impl Shared {
                 Err(MetaError::ActivityLogNeedsFlush) if role == Role::Secondary => {
                     let mut meta = self.meta();
                     if let Err(e) = blocking(|| meta.make_room_marking_out_of_sync(&extents)) {
-                        warn_limited!(FAILED_REQUESTS, "activity log: {e}");
-                        return Err(BackendError::plain(
+                        return Err(BackendError::because(
                             "activity log",
                             offset,
                             length,
                             NbdError::Io,
+                            e,
                         ));
                     }
                 }
                 Err(MetaError::ActivityLogNeedsFlush) => {
                     // Make the idle extents' writes durable everywhere so one can leave.
                     if let Err(e) = self.flush_all().await {
-                        warn_limited!(
-                            FAILED_REQUESTS,
-                            "activity log: the flush before an eviction failed: {e}"
-                        );
-                        return Err(BackendError::plain(
+                        return Err(BackendError::because(
                             "activity log",
                             offset,
                             length,
                             NbdError::Io,
+                            format_args!("the flush before an eviction failed: {e}"),
                         ));
                     }
                 }
                 Err(e) => {
-                    warn_limited!(FAILED_REQUESTS, "activity log: {e}");
-                    return Err(BackendError::plain(
+                    return Err(BackendError::because(
                         "activity log",
                         offset,
                         length,
                         NbdError::Io,
+                        e,
                     ));
                 }
             }
@@ -558,8 +554,13 @@ impl Shared {
         // One deadline for every peer: two lost peers cost one timeout, not two.
         let deadline = tokio::time::Instant::now() + self.resource.peer_timeout;
         let conns = self.targets_for_write(offset, length).map_err(|e| {
-            warn_limited!(FAILED_REQUESTS, "metadata: {e}");
-            BackendError::plain(op, offset, length, NbdError::Io)
+            BackendError::because(
+                op,
+                offset,
+                length,
+                NbdError::Io,
+                format_args!("metadata: {e}"),
+            )
         })?;
         let key = match self.resource.protocol {
             Protocol::B => WaitKey::Received(seq),
@@ -611,13 +612,13 @@ impl Shared {
         applied_by_synced_peer: bool,
     ) -> Result<(), BackendError> {
         match local_result {
-            _ if detached && !applied_by_synced_peer => {
-                warn_limited!(
-                    FAILED_REQUESTS,
-                    "{op} at {offset} ({length} bytes) failed: the local disk is detached and no in-sync peer applied it"
-                );
-                Err(BackendError::plain(op, offset, length, NbdError::Io))
-            }
+            _ if detached && !applied_by_synced_peer => Err(BackendError::because(
+                op,
+                offset,
+                length,
+                NbdError::Io,
+                "the local disk is detached and no in-sync peer applied it",
+            )),
             Err(e) if applied_by_synced_peer && self.detach(&e) => Ok(()),
             Err(e) => {
                 // The peers may hold what this disk failed to take (under A or B, or from a
@@ -766,18 +767,13 @@ impl Shared {
     async fn read_detached(&self, offset: u64, length: usize) -> Result<ReadData, BackendError> {
         match self.read_from_peers(offset, length).await {
             Some((_, data)) => Ok(ReadData::dense(data)),
-            None => {
-                warn_limited!(
-                    FAILED_REQUESTS,
-                    "read at {offset} ({length} bytes) failed: the local disk is detached and no in-sync peer answered"
-                );
-                Err(BackendError::plain(
-                    "read",
-                    offset,
-                    length as u64,
-                    NbdError::Io,
-                ))
-            }
+            None => Err(BackendError::because(
+                "read",
+                offset,
+                length as u64,
+                NbdError::Io,
+                "the local disk is detached and no in-sync peer answered",
+            )),
         }
     }
 

@@ -3,7 +3,8 @@
 //! that fails writeback fails every FLUSH after it (and `netblk status` says why), and a
 //! replicated node on it leaves its metadata for a resync, or with its peer connected
 //! detaches the disk and serves from the peer; a node whose metadata cannot be written
-//! stops writes and says why.
+//! stops writes and says why; a device with unreadable sectors fails each read of them
+//! alone.
 
 mod common;
 
@@ -221,6 +222,74 @@ fn a_failed_sync_fails_every_flush_after_it() {
             "the final flush failed for export \"\"",
         ] {
             assert!(log.contains(said), "{said:?} not in:\n{log}");
+        }
+    }
+}
+
+/// Reads of a device with unreadable sectors, each printed as it came to: a read of a
+/// bad range (twice, the second from a page the first left in the page cache, not up to
+/// date), a good one on the same connection, and a bad and a good one on a new connection.
+const READ_ERRORS: &str = r#"
+import nbd, sys
+uri, structured = sys.argv[1], sys.argv[2] == "structured"
+def connect():
+    h = nbd.NBD()
+    h.set_request_structured_replies(structured)
+    h.connect_uri(uri)
+    return h
+def attempt(h, name, offset, length=4096):
+    try:
+        h.pread(length, offset)
+        print(name, "ok")
+    except nbd.Error as e:
+        print(name, "EIO" if "(EIO)" in str(e) else e)
+h = connect()
+attempt(h, "bad", 40 << 20)
+attempt(h, "bad-again", 40 << 20)
+attempt(h, "bad-large", 48 << 20, 1 << 20)
+attempt(h, "bad-large-again", 48 << 20, 1 << 20)
+attempt(h, "good", 0)
+other = connect()
+attempt(other, "other-bad", 40 << 20)
+attempt(other, "other-good", 1 << 20)
+"#;
+
+/// A device with unreadable sectors (a direct-I/O loop device whose file was cut short
+/// after it was attached): each read of them fails with EIO alone, in page-cache mode too,
+/// where a failed page stays in the page cache unreadable and must not be sent from the
+/// file's mapping (whose failed send would cost the connection: it did, every time).
+#[test]
+fn unreadable_sectors_fail_each_read_of_them_and_nothing_else() {
+    if !have("losetup") {
+        return;
+    }
+    let expected = "bad EIO\nbad-again EIO\nbad-large EIO\nbad-large-again EIO\ngood ok\n\
+                    other-bad EIO\nother-good ok\n";
+    for cache in ["--cache=writeback", "--cache=none"] {
+        for replies in ["structured", "simple"] {
+            let dir = tempfile::tempdir().unwrap();
+            let backing = sparse_file(&dir.path().join("backing.img"), 64);
+            let out = run_stdout(
+                Command::new("losetup")
+                    .args(["--direct-io=on", "-f", "--show"])
+                    .arg(&backing),
+            );
+            let device = LoopDevice(PathBuf::from(out.trim()));
+            // Past 32 MiB the device now reads past the end of its file: EIO.
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(&backing)
+                .unwrap()
+                .set_len(32 << 20)
+                .unwrap();
+            let server = Server::start(&[cache, device.0.to_str().unwrap()]);
+            assert_eq!(
+                python(READ_ERRORS, &[&server.uri(), replies]),
+                expected,
+                "{cache} {replies}:\n{}",
+                server.stderr()
+            );
+            drop(server);
         }
     }
 }

@@ -13,7 +13,7 @@ use std::fs::{File, OpenOptions};
 use std::io::{Seek, SeekFrom};
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
@@ -68,6 +68,9 @@ pub struct FileBackend {
     /// page cache ([`Backend::read_mapped`]); page-cache mode only, and `None` where the
     /// file could not be mapped.
     mapping: Option<Arc<Mapping>>,
+    /// Set once a read of the file failed, or a send from the mapping did: cached reads
+    /// are copied from then on (see [`FileBackend::stop_mapped_reads`]).
+    mapped_reads_off: AtomicBool,
     locks: RangeLocks,
     dirty: Arc<DirtyTracker>,
     lost: LostWriteback,
@@ -326,6 +329,7 @@ impl FileBackend {
             memory_align,
             ring,
             mapping,
+            mapped_reads_off: AtomicBool::new(false),
             locks: RangeLocks::default(),
             dirty: Arc::new(DirtyTracker::default()),
             lost: LostWriteback::default(),
@@ -333,6 +337,34 @@ impl FileBackend {
             #[cfg(test)]
             nowait_tries: AtomicU64::new(0),
         })
+    }
+
+    /// Serves cached reads by copying from now on, never from the mapping.
+    ///
+    /// Why: a page whose read from the device failed stays in the page cache, not up to
+    /// date, and `cachestat` counts it as cached. Sent from the mapping, the socket's copy
+    /// faults on it, the device fails again, and `writev` fails with `EFAULT` in the middle
+    /// of a reply whose data chunk was already promised, so the connection must close: a
+    /// client that retried a failed read lost its connection, every time, and so did every
+    /// new connection that read the range. A copied read reports `EIO` for that request
+    /// alone. So the first read error (or a failed send from the mapping, for a page that
+    /// someone else's read, or readahead, left behind) turns the mapping off for good: a
+    /// device with bad sectors is not one to save a copy on.
+    fn stop_mapped_reads(&self, why: &dyn std::fmt::Display) {
+        if self.mapping.is_some() && !self.mapped_reads_off.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                "{}: {why}; cached reads are copied from now on (a page that failed to read \
+                 cannot be sent from the mapping)",
+                self.path.display()
+            );
+        }
+    }
+
+    /// The error of a failed read of `want` bytes at `offset`, which turns mapped reads off.
+    fn read_failed(&self, offset: u64, want: usize, e: std::io::Error) -> BackendError {
+        let error = BackendError::io("read", offset, want as u64, e);
+        self.stop_mapped_reads(&error);
+        error
     }
 
     /// The cache mode in use.
@@ -365,12 +397,11 @@ impl FileBackend {
     /// rest is zeroed).
     async fn read_into(&self, offset: u64, mut buffer: Buffer) -> Result<Buffer, BackendError> {
         let want = buffer.len();
-        let failed = |e| BackendError::io("read", offset, want as u64, e);
         let mut filled = 0usize;
         if want <= MAX_RING_IO {
             let (result, returned) = self.ring.read(&self.file, offset, buffer).await;
             buffer = returned;
-            filled = result.map_err(failed)?;
+            filled = result.map_err(|e| self.read_failed(offset, want, e))?;
             if filled == 0 {
                 buffer.as_mut().fill(0);
                 return Ok(buffer);
@@ -383,7 +414,7 @@ impl FileBackend {
                 .ring
                 .read(&self.file, offset + filled as u64, piece)
                 .await;
-            let n = result.map_err(failed)?;
+            let n = result.map_err(|e| self.read_failed(offset, want, e))?;
             if n == 0 {
                 buffer.as_mut()[filled..].fill(0);
                 break;
@@ -739,6 +770,9 @@ impl Backend for FileBackend {
             return None;
         }
         let mapping = self.mapping.as_ref()?;
+        if self.mapped_reads_off.load(Ordering::Relaxed) {
+            return None;
+        }
         // Only cached pages: an uncached one would make the socket's copy wait on the
         // device inside `writev`, with the connection's thread blocked. Cached holes read
         // as zeroes and go out as data, which is correct (as for splicing). Checked before
@@ -755,8 +789,16 @@ impl Backend for FileBackend {
     }
 
     fn all_cached(&self, offset: u64, length: u64) -> bool {
+        // After a read error a cached page may not be readable (see `stop_mapped_reads`).
         self.cache == CacheMode::Writeback
+            && !self.mapped_reads_off.load(Ordering::Relaxed)
             && super::splice::cached(&self.file, offset, length) == Some(true)
+    }
+
+    fn mapped_send_failed(&self, error: &std::io::Error) {
+        self.stop_mapped_reads(&format_args!(
+            "a cached read sent from the mapping failed ({error})"
+        ));
     }
 
     fn write(&self, offset: u64, data: WriteData, fua: bool) -> BackendFuture<'_, ()> {
@@ -1140,6 +1182,12 @@ mod tests {
             // Less than a page, or past the end: not mapped.
             assert!(b.read_mapped(0, length - 1).is_none());
             assert!(b.read_mapped((4 << 20) - 4096, 8192).is_none());
+            // Once a send from the mapping failed, never again: copied reads say EIO for a
+            // page that cannot be read, where a mapped one costs the connection.
+            assert!(b.all_cached(0, 1 << 20));
+            b.mapped_send_failed(&std::io::Error::from_raw_os_error(libc::EFAULT));
+            assert!(b.read_mapped(4096, length).is_none());
+            assert!(!b.all_cached(0, 1 << 20));
         }
     }
 

@@ -727,6 +727,10 @@ pub trait Backend: Send + Sync + 'static {
     fn read_mapped(&self, _offset: u64, _length: usize) -> Option<ReadData> {
         None
     }
+    /// A socket's `writev` of data from [`Backend::read_mapped`] failed with `error`
+    /// (`EFAULT`: a page of the mapping could not be read): the backend should stop
+    /// handing out mapped data, whose failure costs the connection.
+    fn mapped_send_failed(&self, _error: &std::io::Error) {}
     /// Whether [`Backend::read_to_pipe`] can ever hand out a pipe. A connection measures
     /// whether its client takes spliced or copied reads faster only when it can
     /// (`server::splice_probe`).

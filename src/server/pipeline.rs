@@ -332,7 +332,14 @@ pub async fn run<S: Stream>(
         std::future::poll_fn(|cx| pipeline.poll(cx, Pin::new(&mut stream), stopped.as_mut())).await;
     match result {
         Ok(()) => debug!("{}", pipeline.ending),
-        Err(e) => debug!("connection ended: {e}"),
+        Err(e) => {
+            // Only memory the kernel could not read makes a send fail so: a page of a
+            // mapped file (see `Backend::mapped_send_failed`).
+            if e.raw_os_error() == Some(Errno::FAULT.raw_os_error()) {
+                pipeline.backend.mapped_send_failed(&e);
+            }
+            debug!("connection ended: {e}")
+        }
     }
     // Requests already submitted run to their end even though no reply can be sent: a
     // write abandoned half-way would leave its range unlocked while the disk (or a

@@ -513,6 +513,39 @@ print("ok")
     );
 }
 
+/// An export that does not advertise fast zeroing (the crash test's powercut cache, which
+/// cannot tell fast from slow) refuses a request that asks for it with EINVAL, as the spec
+/// says it should, instead of zeroing slowly.
+#[test]
+fn a_fast_zero_where_none_was_advertised_is_einval() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("disk.img");
+    let args = [
+        "--fault-injection",
+        "powercut",
+        "--size",
+        "16M",
+        path.to_str().unwrap(),
+    ];
+    let Some(server) = server_for("nbdsh", &args) else {
+        return;
+    };
+    nbdsh(
+        &server.uri(),
+        r#"
+assert not h.can_fast_zero()
+h.set_strict_mode(0)
+try:
+    h.zero(1 << 20, 0, nbd.CMD_FLAG_FAST_ZERO)
+    raise AssertionError("a fast zero was done")
+except nbd.Error as e:
+    assert "(EINVAL)" in str(e), e
+h.zero(1 << 20, 0)
+print("ok")
+"#,
+    );
+}
+
 #[test]
 fn nbdsh_block_status_reports_base_allocation_extents() {
     let Some(server) = server_for("nbdsh", &["memory:16M"]) else {

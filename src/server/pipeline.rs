@@ -289,9 +289,11 @@ pub async fn run<S: Stream>(
     let _counted = CountedConnection::new();
     let backend = Arc::clone(&negotiated.export.backend);
     let on_device = backend.poll_completions().is_some();
+    let capabilities = backend.capabilities();
     let limits = Limits {
         size: backend.size(),
-        read_only: backend.capabilities().read_only,
+        read_only: capabilities.read_only,
+        fast_zero: capabilities.write_zeroes && capabilities.fast_zero,
         style: negotiated.request_style,
         chunked_replies: negotiated.reply_style != ReplyStyle::Simple,
         base_allocation: negotiated.base_allocation,

@@ -53,6 +53,10 @@ pub struct Limits {
     pub chunked_replies: bool,
     /// `base:allocation` was selected.
     pub base_allocation: bool,
+    /// `NBD_FLAG_SEND_FAST_ZERO` was advertised: without it, the spec says a request with
+    /// `NBD_CMD_FLAG_FAST_ZERO` SHOULD fail with `EINVAL` (a backend that cannot tell fast
+    /// from slow zeroing would otherwise do it slowly, the one thing the flag rules out).
+    pub fast_zero: bool,
 }
 
 /// Checks one request; on failure returns the error to send (the connection goes on).
@@ -69,6 +73,9 @@ pub fn validate(h: &RequestHeader, limits: &Limits) -> Result<Command, NbdError>
         _ => return Err(NbdError::Inval),
     };
     if h.flags & !allowed != 0 {
+        return Err(NbdError::Inval);
+    }
+    if h.flags & FAST_ZERO != 0 && !limits.fast_zero {
         return Err(NbdError::Inval);
     }
     let writes = matches!(h.command, cmd::WRITE | cmd::TRIM | cmd::WRITE_ZEROES);
@@ -141,6 +148,7 @@ mod tests {
         style: RequestStyle::Compact,
         chunked_replies: true,
         base_allocation: true,
+        fast_zero: true,
     };
 
     fn req(command: u16, flags: u16, offset: u64, length: u64) -> RequestHeader {
@@ -275,6 +283,18 @@ mod tests {
             Err(NbdError::Perm)
         );
         assert!(validate(&req(cmd::READ, 0, 0, 1), &ro).is_ok());
+    }
+
+    #[test]
+    fn fast_zero_is_refused_where_it_was_not_advertised() {
+        let slow = Limits {
+            fast_zero: false,
+            ..LIMITS
+        };
+        let fast_zero = req(cmd::WRITE_ZEROES, cmd_flags::FAST_ZERO, 0, 4096);
+        assert!(validate(&fast_zero, &LIMITS).is_ok());
+        assert_eq!(validate(&fast_zero, &slow), Err(NbdError::Inval));
+        assert!(validate(&req(cmd::WRITE_ZEROES, 0, 0, 4096), &slow).is_ok());
     }
 
     #[test]

@@ -58,6 +58,9 @@ pub struct FileBackend {
     size: u64,
     read_only: bool,
     block_device: bool,
+    /// What `fallocate` on the file wants its ranges aligned to: a block device's logical
+    /// block size (it refuses anything else with `EINVAL`), 1 for a regular file.
+    fallocate_block: u64,
     cache: CacheMode,
     /// Offsets and lengths of direct I/O must be multiples of this (1 in writeback mode).
     block: u64,
@@ -318,12 +321,20 @@ impl FileBackend {
             },
             CacheMode::None => None,
         };
+        let fallocate_block = if block_device {
+            rustix::fs::ioctl_blksszget(&file)
+                .map_or(512, u64::from)
+                .max(1)
+        } else {
+            1
+        };
         Ok(FileBackend {
             path: path.to_path_buf(),
             file: Arc::new(file),
             size: actual,
             read_only,
             block_device,
+            fallocate_block,
             cache,
             block,
             memory_align,
@@ -358,6 +369,39 @@ impl FileBackend {
                 self.path.display()
             );
         }
+    }
+
+    /// The part of `[offset, offset + length)` that `fallocate` takes, as `(start, end)`:
+    /// all of it for a file, the whole blocks within it for a device (`start == end`
+    /// when there are none, with `start` within the range).
+    fn fallocate_range(&self, offset: u64, length: u64) -> (u64, u64) {
+        let block = self.fallocate_block;
+        let end = offset + length;
+        let start = offset.next_multiple_of(block).min(end);
+        (start, (end - end % block).max(start))
+    }
+
+    /// Whether the device zeroes ranges itself (`queue/write_zeroes_max_bytes` above 0 in
+    /// sysfs); else the kernel writes pages of zeroes for a `fallocate`. False when sysfs
+    /// cannot tell.
+    fn device_zeroes_fast(&self) -> bool {
+        let Ok(stat) = rustix::fs::fstat(&*self.file) else {
+            return false;
+        };
+        let (major, minor) = (
+            rustix::fs::major(stat.st_rdev),
+            rustix::fs::minor(stat.st_rdev),
+        );
+        let device = format!("/sys/dev/block/{major}:{minor}");
+        // A partition's queue is its disk's, one level up.
+        [
+            format!("{device}/queue/write_zeroes_max_bytes"),
+            format!("{device}/../queue/write_zeroes_max_bytes"),
+        ]
+        .iter()
+        .find_map(|path| std::fs::read_to_string(path).ok())
+        .and_then(|text| text.trim().parse::<u64>().ok())
+        .is_some_and(|bytes| bytes > 0)
     }
 
     /// The error of a failed read of `want` bytes at `offset`, which turns mapped reads off.
@@ -863,10 +907,16 @@ impl Backend for FileBackend {
     fn trim(&self, offset: u64, length: u64, fua: bool) -> BackendFuture<'_, ()> {
         backend_future(async move {
             let _held = self.lock_shared(offset, length).await;
+            // A device discards whole blocks only; the rest of the range keeps its data,
+            // which TRIM allows.
+            let (start, end) = self.fallocate_range(offset, length);
+            if start == end {
+                return Ok(());
+            }
             let discarded = self
                 .blocking("trim", offset, length, move |file| {
                     let flags = FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE;
-                    match rustix::fs::fallocate(file, flags, offset, length) {
+                    match rustix::fs::fallocate(file, flags, start, end - start) {
                         Ok(()) => Ok(true),
                         // TRIM is advisory: a store that cannot discard keeps the data.
                         Err(rustix::io::Errno::OPNOTSUPP) => Ok(false),
@@ -884,33 +934,44 @@ impl Backend for FileBackend {
     fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> BackendFuture<'_, ()> {
         let block_device = self.block_device;
         backend_future(async move {
+            // On a device, `fallocate` zeroes whole blocks (the part of the range it can
+            // take); the ends are written. A device whose zeroing is not offloaded has the
+            // kernel write pages of zeroes instead, which a fast zero must not wait for.
+            let (start, end) = self.fallocate_range(offset, length);
+            if flags.fast && block_device && start < end && !self.device_zeroes_fast() {
+                return Err(BackendError::fast_zero_refused(offset, length));
+            }
             let held = self.lock_shared(offset, length).await;
-            let zeroed = self
-                .blocking("write zeroes", offset, length, move |file| {
-                    let mode = if flags.may_trim && !block_device {
-                        FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE
-                    } else {
-                        FallocateFlags::ZERO_RANGE | FallocateFlags::KEEP_SIZE
-                    };
-                    match rustix::fs::fallocate(file, mode, offset, length) {
-                        Ok(()) => Ok(true),
-                        Err(rustix::io::Errno::OPNOTSUPP) => Ok(false),
-                        Err(e) => Err(errno(e)),
-                    }
-                })
-                .await?;
+            let zeroed = start == end
+                || self
+                    .blocking("write zeroes", offset, length, move |file| {
+                        let mode = if flags.may_trim && !block_device {
+                            FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE
+                        } else {
+                            FallocateFlags::ZERO_RANGE | FallocateFlags::KEEP_SIZE
+                        };
+                        match rustix::fs::fallocate(file, mode, start, end - start) {
+                            Ok(()) => Ok(true),
+                            Err(rustix::io::Errno::OPNOTSUPP) => Ok(false),
+                            Err(e) => Err(errno(e)),
+                        }
+                    })
+                    .await?;
             drop(held);
-            if !zeroed {
-                if flags.fast {
-                    return Err(BackendError::fast_zero_refused(offset, length));
-                }
-                // Written out by hand, through the same path (and locks) as client writes.
-                let mut done = 0;
-                while done < length {
-                    let n = (length - done).min(ZERO_CHUNK);
+            let by_hand = if zeroed {
+                [(offset, start), (end, offset + length)]
+            } else if flags.fast {
+                return Err(BackendError::fast_zero_refused(offset, length));
+            } else {
+                [(offset, offset + length), (0, 0)]
+            };
+            // Written out by hand, through the same path (and locks) as client writes.
+            for (mut at, to) in by_hand {
+                while at < to {
+                    let n = (to - at).min(ZERO_CHUNK);
                     let zeroes = Buffer::zeroed(n as usize).share().into();
-                    self.write(offset + done, zeroes, false).await?;
-                    done += n;
+                    self.write(at, zeroes, false).await?;
+                    at += n;
                 }
             }
             self.after_change("write zeroes", offset, length, flags.fua)

@@ -542,17 +542,38 @@ async fn ping(conn: Arc<PeerConn>, every: Duration) {
     }
 }
 
-/// Reads frames until the connection ends; returns why it ended.
+/// Reads frames until the connection ends; returns why it ended, once the requests it was
+/// applying to the local disk have finished.
+///
+/// They run to their end even though no answer can be sent: a write dropped half-way
+/// would free its range lock while the kernel still holds it, and an overlapping write
+/// after the reconnect could then land before it, leaving the older data (as the client
+/// pipeline, which drains its requests the same way).
 async fn read_loop(
     shared: &Arc<Shared>,
     conn: &Arc<PeerConn>,
+    reader: &mut OwnedReadHalf,
+    buf: BytesMut,
+    stop: watch::Receiver<bool>,
+) -> String {
+    let local = Arc::clone(&shared.local);
+    let mut applying: FuturesUnordered<BackendFuture<'_, Message>> = FuturesUnordered::new();
+    let why = read_frames(shared, conn, &local, &mut applying, reader, buf, stop).await;
+    while applying.next().await.is_some() {}
+    why
+}
+
+/// [`read_loop`] until the connection ends.
+async fn read_frames<'a>(
+    shared: &Arc<Shared>,
+    conn: &Arc<PeerConn>,
+    local: &'a Arc<dyn crate::backend::Backend>,
+    applying: &mut FuturesUnordered<BackendFuture<'a, Message>>,
     reader: &mut OwnedReadHalf,
     mut buf: BytesMut,
     mut stop: watch::Receiver<bool>,
 ) -> String {
     let timeout = shared.resource.peer_timeout;
-    let local = Arc::clone(&shared.local);
-    let mut applying: FuturesUnordered<BackendFuture<'_, Message>> = FuturesUnordered::new();
     let mut closed = conn.closed.subscribe();
     loop {
         loop {
@@ -561,7 +582,7 @@ async fn read_loop(
                 Ok(None) => break,
                 Err(e) => return format!("bad frame: {e}"),
             };
-            if let Err(e) = handle(shared, conn, &local, &mut applying, message).await {
+            if let Err(e) = handle(shared, conn, local, applying, message).await {
                 return e;
             }
         }

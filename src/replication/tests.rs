@@ -1,7 +1,7 @@
 //! In-process tests of two replicating nodes over loopback TCP, with memory backends, so
 //! that protocols A/B/C and read healing can be checked without an NBD client.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -219,6 +219,127 @@ fn pattern(seed: u8, len: usize) -> Bytes {
             .map(|i| (i as u8).wrapping_mul(31) ^ seed)
             .collect::<Vec<_>>(),
     )
+}
+
+/// A memory backend whose writes wait at a gate while it is shut, counting the writes
+/// that wait and those dropped before they finished (abandoned: on a disk behind io_uring,
+/// one the kernel may still be writing).
+struct GatedDisk {
+    inner: MemoryBackend,
+    open: watch::Sender<bool>,
+    waiting: AtomicUsize,
+    abandoned: Arc<AtomicUsize>,
+}
+
+impl GatedDisk {
+    fn new() -> Arc<GatedDisk> {
+        Arc::new(GatedDisk {
+            inner: MemoryBackend::new(SIZE, false),
+            open: watch::channel(true).0,
+            waiting: AtomicUsize::new(0),
+            abandoned: Arc::new(AtomicUsize::new(0)),
+        })
+    }
+}
+
+/// Counts its write as abandoned if dropped before [`Unfinished::done`].
+struct Unfinished(Option<Arc<AtomicUsize>>);
+
+impl Unfinished {
+    fn done(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Unfinished {
+    fn drop(&mut self) {
+        if let Some(abandoned) = self.0.take() {
+            abandoned.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+}
+
+impl Backend for GatedDisk {
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+    fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
+        self.inner.read(offset, length)
+    }
+    fn write(&self, offset: u64, data: WriteData, fua: bool) -> BackendFuture<'_, ()> {
+        let unfinished = Unfinished(Some(Arc::clone(&self.abandoned)));
+        let mut open = self.open.subscribe();
+        backend_future(async move {
+            if !*open.borrow() {
+                self.waiting.fetch_add(1, Ordering::AcqRel);
+                let _ = open.wait_for(|o| *o).await;
+            }
+            let result = self.inner.write(offset, data, fua).await;
+            unfinished.done();
+            result
+        })
+    }
+    fn flush(&self) -> BackendFuture<'_, ()> {
+        self.inner.flush()
+    }
+    fn trim(&self, offset: u64, length: u64, fua: bool) -> BackendFuture<'_, ()> {
+        self.inner.trim(offset, length, fua)
+    }
+    fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> BackendFuture<'_, ()> {
+        self.inner.write_zeroes(offset, length, flags)
+    }
+    fn cache(&self, offset: u64, length: u64) -> BackendFuture<'_, ()> {
+        self.inner.cache(offset, length)
+    }
+    fn extents(&self, offset: u64, length: u64) -> BackendFuture<'_, Vec<Extent>> {
+        self.inner.extents(offset, length)
+    }
+}
+
+/// A secondary whose link to the primary goes while it is applying a write lets that write
+/// finish before it lets the link go: dropped half-way, a write through io_uring would
+/// free its range lock while the kernel still held it, and a write after the reconnect
+/// could land before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secondary_finishes_the_writes_it_was_applying_when_the_link_goes() {
+    let disk = GatedDisk::new();
+    let primary_disk = Arc::new(MemoryBackend::new(SIZE, false));
+    let secondary_disk = Arc::clone(&disk) as Arc<dyn Backend>;
+    // Under protocol C (A and B apply writes one by one, reading nothing meanwhile).
+    let pair = cluster("C", 2, primary_disk, "1G", 2, Some(secondary_disk)).await;
+    disk.open.send_replace(false);
+    let data = pattern(9, 65536);
+    let backend = pair.primary_backend();
+    let written = data.clone();
+    // It waits for the secondary's ack, until the link goes.
+    let write = tokio::spawn(async move { backend.write(0, written.into(), false).await });
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while disk.waiting.load(Ordering::Acquire) == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the write reaches the secondary's disk");
+    pair.primary.drop_connections();
+    write.await.unwrap().unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        disk.abandoned.load(Ordering::Acquire),
+        0,
+        "a write was dropped"
+    );
+    disk.open.send_replace(true);
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while disk.inner.read(0, 65536).await.unwrap().bytes() != data {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the write lands");
+    assert_eq!(disk.abandoned.load(Ordering::Acquire), 0);
 }
 
 /// A pair under `protocol` whose primary's disk is a [`FaultyDisk`], and that disk.

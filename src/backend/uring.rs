@@ -99,7 +99,9 @@ pub fn plugged<R>(work: impl FnOnce() -> R) -> R {
             if depth == 0 {
                 // One at a time, so the list keeps its room and a plug allocates nothing.
                 while let Some(ring) = PLUGGED_RINGS.with(|r| r.borrow_mut().pop()) {
-                    ring.lock().submit_and_reap();
+                    let mut state = ring.lock();
+                    state.submit_and_reap();
+                    ring.retry_if_refused(&state);
                 }
             }
         }
@@ -211,6 +213,13 @@ struct RingState {
     /// Entries other than reads were queued since the last submission (their completions
     /// mostly come later, so the submission does not silence the eventfd).
     queued_other_than_reads: bool,
+    /// The kernel refused the last submission (`EAGAIN`: no memory for it), so queued
+    /// entries wait in the submission queue; whoever saw it asks the reaper to try again
+    /// ([`Ring::retry_if_refused`]), or a lone request would wait for ever.
+    unsubmitted: bool,
+    /// Submissions a test makes the kernel refuse, as if it said `EAGAIN`.
+    #[cfg(test)]
+    refuse_submits: usize,
 }
 
 /// Keeps a device that completes its requests in batches working on one part of a burst
@@ -385,7 +394,7 @@ impl RingState {
     /// Enters the kernel with what is queued.
     fn submit(&mut self) {
         loop {
-            match self.uring.submit() {
+            match self.enter() {
                 Ok(_) => break,
                 Err(e) if e.raw_os_error() == Some(libc_eintr()) => continue,
                 Err(e) if e.raw_os_error() == Some(libc_ebusy()) => {
@@ -394,13 +403,33 @@ impl RingState {
                     continue;
                 }
                 Err(e) => {
-                    // The entries stay queued and go with the next submission; their
-                    // waiters still get their completions then.
-                    tracing::warn!("io_uring submit failed: {e}");
+                    // The entries stay queued and go with the next submission, which the
+                    // reaper tries soon; their waiters still get their completions then.
+                    if !self.unsubmitted {
+                        tracing::warn!("io_uring submit failed: {e} (trying again)");
+                    }
+                    self.unsubmitted = true;
                     break;
                 }
             }
         }
+    }
+
+    /// Hands the submission queue to the kernel (`io_uring_enter`), noting whether it took it.
+    fn enter(&mut self) -> io::Result<usize> {
+        #[cfg(test)]
+        if self.refuse_submits > 0 {
+            self.refuse_submits -= 1;
+            self.unsubmitted = true;
+            return Err(io::Error::from_raw_os_error(
+                rustix::io::Errno::AGAIN.raw_os_error(),
+            ));
+        }
+        let entered = self.uring.submit();
+        if entered.is_ok() {
+            self.unsubmitted = false;
+        }
+        entered
     }
 
     /// Entries the kernel holds (or will, once the queued ones are submitted).
@@ -450,9 +479,11 @@ impl RingState {
         if !released {
             return;
         }
-        // Submitted now, or by the next `submit` if this one fails.
-        while let Err(e) = self.uring.submit() {
+        // Submitted now, or by the next `submit` if this one fails (which the reaper tries
+        // soon: `unsubmitted`).
+        while let Err(e) = self.enter() {
             if e.raw_os_error() != Some(libc_eintr()) {
+                self.unsubmitted = true;
                 break;
             }
         }
@@ -580,6 +611,9 @@ impl Ring {
                     Some(eventfd.try_clone()?)
                 },
                 queued_other_than_reads: false,
+                unsubmitted: false,
+                #[cfg(test)]
+                refuse_submits: 0,
             }),
             answers: AnswerPool::default(),
             submit_wanted: Notify::new(),
@@ -593,7 +627,8 @@ impl Ring {
         }))
     }
 
-    /// Reads into `buffer` (all of it) at `offset`; returns the bytes read and the buffer.
+    /// Reads into `buffer` (all of it) at `offset`; returns the bytes read and the buffer
+    /// (an empty one after an error that kept the read from the kernel).
     pub async fn read(
         self: &Arc<Self>,
         file: &Arc<File>,
@@ -601,7 +636,15 @@ impl Ring {
         buffer: Buffer,
     ) -> (io::Result<usize>, Buffer) {
         let (result, buffer) = self.submit(file, Request::Read { offset, buffer }).await;
-        (result, buffer.expect("a read returns its buffer"))
+        match buffer {
+            Some(buffer) => (result, buffer),
+            // The entry never reached the kernel (or the ring went away) and its buffer
+            // went with its slot: the error stands, with an empty buffer in its place.
+            None => (
+                result.and(Err(io::Error::other("the read was not submitted"))),
+                Buffer::take(0),
+            ),
+        }
     }
 
     /// Writes `data` at `offset` with `RWF_*` flags; returns the bytes written.
@@ -932,7 +975,15 @@ impl Ring {
     fn submit_now_or_later(&self, state: &mut RingState) {
         if state.slots.len() - state.free.len() == 1 {
             state.submit_and_reap();
+            self.retry_if_refused(state);
         } else {
+            self.submit_wanted.notify_one();
+        }
+    }
+
+    /// Asks the reaper to submit again when the kernel refused the last submission.
+    fn retry_if_refused(&self, state: &RingState) {
+        if state.unsubmitted {
             self.submit_wanted.notify_one();
         }
     }
@@ -1023,14 +1074,25 @@ async fn reap_forever(ring: Weak<Ring>, eventfd: AsyncFd<OwnedFd>) {
                 let mut counter = [0u8; 8];
                 let _ = rustix::io::read(eventfd.get_ref(), &mut counter);
                 ready.clear_ready();
-                strong.lock().reap();
+                let mut state = strong.lock();
+                state.reap();
+                strong.retry_if_refused(&state);
             }
             _ = strong.submit_wanted.notified() => {
                 drop(strong);
                 // Let every task that is ready now queue its entries first.
                 tokio::task::yield_now().await;
                 let Some(strong) = ring.upgrade() else { return };
-                strong.lock().submit_and_reap();
+                let mut state = strong.lock();
+                state.submit_and_reap();
+                if state.unsubmitted {
+                    drop(state);
+                    // Refused again: a moment for the kernel to find memory. A thread
+                    // sleep, not a timer: the reaper's runtime may have none, and this
+                    // is the rarest of paths.
+                    std::thread::sleep(Duration::from_millis(1));
+                    strong.submit_wanted.notify_one();
+                }
             }
         }
     }
@@ -1046,8 +1108,19 @@ impl Drop for RingState {
         // in too, so that every slot ends with a completion.
         self.release_held(usize::MAX);
         while self.slots.iter().any(Option::is_some) {
-            if self.uring.submit_and_wait(1).is_err() {
-                break;
+            match self.uring.submit_and_wait(1) {
+                Ok(_) => {}
+                Err(e) if e.raw_os_error() == Some(libc_eintr()) => continue,
+                Err(e) if e.raw_os_error() == Some(libc_ebusy()) => {}
+                Err(e) => {
+                    // The kernel may still write into what the slots hold: better to
+                    // leak it than to free it under the device.
+                    tracing::warn!(
+                        "io_uring: waiting for the entries in flight failed ({e}): their buffers are leaked"
+                    );
+                    std::mem::forget(std::mem::take(&mut self.slots));
+                    break;
+                }
             }
             self.reap();
         }
@@ -1137,6 +1210,39 @@ mod tests {
             // Reading at the end of the file comes back short, not as an error.
             let (n, _) = ring.read(&file, (1 << 20) - 100, Buffer::take(4096)).await;
             assert_eq!(n.unwrap(), 100);
+        });
+    }
+
+    #[test]
+    fn a_submission_the_kernel_refuses_is_tried_again() {
+        let (mut tmp, file) = scratch_file();
+        tmp.write_all(&vec![5u8; 1 << 20]).unwrap();
+        let ring = Ring::new().unwrap();
+        crate::test_runtime().block_on(async {
+            // Three refusals (as `EAGAIN`): the entries wait in the queue until the reaper
+            // gets them in.
+            ring.lock().refuse_submits = 3;
+            let read = ring.read(&file, 4096, Buffer::take(4096));
+            let (n, buffer) = tokio::time::timeout(Duration::from_secs(5), read)
+                .await
+                .expect("the read is submitted again and completes");
+            assert_eq!(n.unwrap(), 4096);
+            assert!(buffer.as_ref().iter().all(|&b| b == 5));
+            assert_eq!(ring.lock().refuse_submits, 0);
+            assert!(!ring.lock().unsubmitted);
+        });
+    }
+
+    #[test]
+    fn a_read_the_ring_cannot_take_fails_without_a_panic() {
+        let (mut tmp, file) = scratch_file();
+        tmp.write_all(&vec![0u8; 1 << 20]).unwrap();
+        let ring = Ring::new().unwrap();
+        crate::test_runtime().block_on(async {
+            ring.in_flight.close();
+            let (n, buffer) = ring.read(&file, 0, Buffer::take(4096)).await;
+            assert!(n.is_err());
+            assert!(buffer.is_empty());
         });
     }
 

@@ -620,17 +620,18 @@ fn rule6_handshake_violations_drop_and_bad_options_are_answered() {
     raw.send(&bad);
     assert!(raw.wait_closed(prompt).is_closed(), "bad option magic");
 
-    // An oversized option is refused from its header alone: the server does not wait for
-    // (or read) the megabyte of data announced.
+    // An option beyond all reason is refused from its header alone: the server does not
+    // wait for (or read) the gigabyte of data announced. (Up to 64 MiB it reads past an
+    // option too long to take, and refuses it with NBD_REP_ERR_TOO_BIG: below.)
     let mut raw = Raw::hello(server.tcp());
     let mut header = IHAVEOPT.to_be_bytes().to_vec();
     header.extend(opt::GO.to_be_bytes());
-    header.extend((1u32 << 20).to_be_bytes());
+    header.extend((1u32 << 30).to_be_bytes());
     raw.send(&header);
     let started = Instant::now();
     assert!(
         raw.wait_closed(prompt).is_closed(),
-        "an option announcing 1 MiB of data"
+        "an option announcing 1 GiB of data"
     );
     assert!(started.elapsed() < prompt);
 
@@ -714,6 +715,32 @@ fn rule6_handshake_violations_drop_and_bad_options_are_answered() {
     // An option of exactly the largest accepted length is read and skipped.
     raw.send_option(98, &vec![0xa5; netblk::wire::MAX_OPTION_LEN as usize]);
     expect(&mut raw, 98, rep::ERR_UNSUP, "unknown option of 64 KiB");
+    // A longer one is read past and refused as too big, known or not (the spec: the
+    // server may skip any option; NBD_REP_ERR_TOO_BIG is the refusal for its size).
+    let long = vec![0x5a; netblk::wire::MAX_OPTION_LEN as usize + 4464];
+    raw.send_option(97, &long);
+    expect(&mut raw, 97, rep::ERR_TOO_BIG, "unknown option of 70,000 bytes");
+    raw.send_option(opt::SET_META_CONTEXT, &long);
+    expect(
+        &mut raw,
+        opt::SET_META_CONTEXT,
+        rep::ERR_TOO_BIG,
+        "SET_META_CONTEXT of 70,000 bytes",
+    );
+    // An error that quotes a long name keeps to 4096 bytes of UTF-8 (a name of 2048 'é'
+    // is 4096 bytes, legal; quoted, the message is longer and was cut inside a character).
+    raw.send(
+        &ClientOption::Info(InfoRequest {
+            name: "é".repeat(2048),
+            requests: vec![],
+        })
+        .encode(),
+    );
+    let replies = raw.replies_until_final();
+    assert_eq!(replies.len(), 1, "{replies:?}");
+    assert_eq!(replies[0].reply_type, rep::ERR_UNKNOWN);
+    assert!(replies[0].data.len() <= 4096);
+    assert!(std::str::from_utf8(&replies[0].data).is_ok(), "not UTF-8");
     // TLS is not offered: STARTTLS is refused and negotiation goes on in the clear.
     raw.send_option(netblk::wire::opt::STARTTLS, &[]);
     expect(

@@ -13,8 +13,8 @@ use crate::wire::handshake::{
 };
 use crate::wire::transmission::{ReplyStyle, RequestStyle};
 use crate::wire::{
-    client_flags, handshake_flags, info, rep, BASE_ALLOCATION, BASE_ALLOCATION_ID, MAX_PAYLOAD,
-    MIN_BLOCK_SIZE, PREFERRED_BLOCK_SIZE,
+    client_flags, handshake_flags, info, rep, BASE_ALLOCATION, BASE_ALLOCATION_ID, MAX_OPTION_LEN,
+    MAX_PAYLOAD, MIN_BLOCK_SIZE, PREFERRED_BLOCK_SIZE,
 };
 
 /// What negotiation agreed on.
@@ -276,6 +276,32 @@ where
         let mut header = [0u8; OPTION_HEADER_LEN];
         stream.read_exact(&mut header).await.map_err(closed)?;
         let header = OptionHeader::decode(&header)?;
+        if header.length > MAX_OPTION_LEN {
+            // Read past, and refused as the spec provides: the negotiation goes on.
+            let skipped = tokio::io::copy(
+                &mut (&mut *stream).take(u64::from(header.length)),
+                &mut tokio::io::sink(),
+            )
+            .await
+            .map_err(closed)?;
+            if skipped < u64::from(header.length) {
+                return Err(closed(std::io::ErrorKind::UnexpectedEof.into()));
+            }
+            if header.option == crate::wire::opt::EXPORT_NAME {
+                // It has no error reply.
+                return Err(NegotiationEnd::BadExportName("longer than any name".into()));
+            }
+            if header.option == crate::wire::opt::SET_META_CONTEXT {
+                haggle.meta = None;
+            }
+            let message = format!(
+                "option of {} bytes: at most {MAX_OPTION_LEN} are read",
+                header.length
+            );
+            let refusal = OptionReply::error(header.option, rep::ERR_TOO_BIG, &message);
+            send_replies(stream, &[refusal]).await?;
+            continue;
+        }
         let mut data = vec![0u8; header.length as usize];
         stream.read_exact(&mut data).await.map_err(closed)?;
         let option = match ClientOption::parse(header.option, &data) {

@@ -2,7 +2,9 @@
 //! and option replies. Pure encode and decode; the server's negotiation logic lives in
 //! `server::handshake`.
 
-use super::{opt, rep, IHAVEOPT, MAX_OPTION_LEN, MAX_STRING_LEN, NBD_MAGIC, OPTION_REPLY_MAGIC};
+use super::{
+    opt, rep, IHAVEOPT, MAX_SKIPPED_OPTION_LEN, MAX_STRING_LEN, NBD_MAGIC, OPTION_REPLY_MAGIC,
+};
 
 /// Length of the server's greeting: `NBDMAGIC`, `IHAVEOPT`, 16 bits of handshake flags.
 pub const GREETING_LEN: usize = 18;
@@ -37,7 +39,9 @@ pub struct OptionHeader {
 }
 
 impl OptionHeader {
-    /// Decodes an option header, refusing a bad magic or a length over [`MAX_OPTION_LEN`].
+    /// Decodes an option header, refusing a bad magic or a length over
+    /// [`MAX_SKIPPED_OPTION_LEN`] (one over [`super::MAX_OPTION_LEN`] is the server's to
+    /// skip and refuse).
     pub fn decode(bytes: &[u8; OPTION_HEADER_LEN]) -> Result<OptionHeader, HandshakeError> {
         let magic = u64::from_be_bytes(bytes[0..8].try_into().expect("8 bytes"));
         if magic != IHAVEOPT {
@@ -45,11 +49,11 @@ impl OptionHeader {
         }
         let option = u32::from_be_bytes(bytes[8..12].try_into().expect("4 bytes"));
         let length = u32::from_be_bytes(bytes[12..16].try_into().expect("4 bytes"));
-        if length > MAX_OPTION_LEN {
+        if length > MAX_SKIPPED_OPTION_LEN {
             return Err(HandshakeError::OptionTooLong {
                 option,
                 length,
-                max: MAX_OPTION_LEN,
+                max: MAX_SKIPPED_OPTION_LEN,
             });
         }
         Ok(OptionHeader { option, length })
@@ -268,10 +272,14 @@ impl OptionReply {
         }
     }
 
-    /// An error reply with a message for a human.
+    /// An error reply with a message for a human, cut to the spec's longest string at a
+    /// character's boundary (it must stay UTF-8).
     pub fn error(option: u32, reply_type: u32, message: &str) -> OptionReply {
-        let mut data = message.as_bytes().to_vec();
-        data.truncate(MAX_STRING_LEN);
+        let mut end = message.len().min(MAX_STRING_LEN);
+        while !message.is_char_boundary(end) {
+            end -= 1;
+        }
+        let data = message.as_bytes()[..end].to_vec();
         OptionReply {
             option,
             reply_type,
@@ -477,9 +485,24 @@ mod tests {
     #[test]
     fn oversized_option_is_refused() {
         let mut bytes = ClientOption::List.encode();
-        bytes[12..16].copy_from_slice(&(MAX_OPTION_LEN + 1).to_be_bytes());
+        bytes[12..16].copy_from_slice(&(MAX_SKIPPED_OPTION_LEN + 1).to_be_bytes());
         let err = OptionHeader::decode(bytes[..16].try_into().unwrap()).unwrap_err();
         assert!(matches!(err, HandshakeError::OptionTooLong { .. }));
+        // Longer than the server reads, but not past what it skips: for the server.
+        bytes[12..16].copy_from_slice(&MAX_SKIPPED_OPTION_LEN.to_be_bytes());
+        assert!(OptionHeader::decode(bytes[..16].try_into().unwrap()).is_ok());
+    }
+
+    #[test]
+    fn error_messages_are_cut_at_a_character_boundary() {
+        let name = "é".repeat(2048); // 4096 bytes, a legal export name
+        let reply = OptionReply::error(1, rep::ERR_UNKNOWN, &format!("no export named {name:?}"));
+        assert!(reply.data.len() <= MAX_STRING_LEN);
+        assert!(std::str::from_utf8(&reply.data).is_ok());
+        assert_eq!(
+            OptionReply::error(1, rep::ERR_UNKNOWN, "short").data,
+            b"short"
+        );
     }
 
     #[test]

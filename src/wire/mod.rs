@@ -149,8 +149,13 @@ pub const MIN_BLOCK_SIZE: u32 = 1;
 pub const PREFERRED_BLOCK_SIZE: u32 = 4096;
 /// Largest READ or WRITE payload the server accepts: 32 MiB.
 pub const MAX_PAYLOAD: u32 = 32 * 1024 * 1024;
-/// Longest option payload accepted during the handshake (names are at most 4096 bytes).
+/// Longest option payload read during the handshake (names are at most 4096 bytes); a
+/// longer one, up to [`MAX_SKIPPED_OPTION_LEN`], is read past and answered with
+/// `NBD_REP_ERR_TOO_BIG`.
 pub const MAX_OPTION_LEN: u32 = 64 * 1024;
+/// Longest option payload the server reads past; a longer option ends the connection (a
+/// client sending gigabytes of option data is not negotiating).
+pub const MAX_SKIPPED_OPTION_LEN: u32 = 64 * 1024 * 1024;
 /// Longest string the spec allows (export names, descriptions, context names).
 pub const MAX_STRING_LEN: usize = 4096;
 

@@ -959,6 +959,8 @@ impl Shared {
         let offset = first * REGION_SIZE;
         let length = (count * REGION_SIZE).min(size - offset);
         let _guard = self.lock_range(offset, length).await;
+        // Read under the range lock: a mark from here on is newer than this copy.
+        self.meta().copying(slot.index, offset, length);
         let data = self
             .local
             .read(offset, length as usize)
@@ -1051,8 +1053,15 @@ impl Shared {
             Err(_) => return Err("resync flush timed out".into()),
         }
         let mut meta = self.meta();
+        // Under the metadata lock, as `peer_lost` marks what a lost link missed: once it
+        // has, these bits must stay.
+        let current = slot.conn.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if !current.is_some_and(|c| Arc::ptr_eq(&c, conn)) {
+            return Err("connection closed".into());
+        }
         for &region in regions.iter() {
-            meta.mark_in_sync(slot.index, region);
+            // A region marked again after it was copied (a write it then missed) stays.
+            meta.mark_copied_in_sync(slot.index, region);
         }
         slot.resync_done
             .fetch_add(regions.len() as u64, Ordering::Relaxed);
@@ -1089,14 +1098,20 @@ impl Shared {
     /// The primary finished resyncing this node: take its generations, up to date.
     pub fn adopt_state_from_primary(&self, generations: super::generation::Generations) {
         let mut meta = self.meta();
-        // Equal to the source now: nothing here differs any more.
-        meta.mark_all_in_sync();
-        let result = meta.flush_bitmap().and_then(|()| {
-            meta.update(|sb| {
+        // Equal to the source now: nothing here differs any more. The new generations go
+        // to disk before the cleared bits do: a crash between the two then leaves bits
+        // set (a resync check too many), where the other order left the old bitmap
+        // generation with no bits, and a peer that bitmap was kept for would be taken for
+        // in sync with everything it missed.
+        let result = meta
+            .update(|sb| {
                 sb.generations.adopt(&generations);
                 sb.disk = DiskState::UpToDate;
             })
-        });
+            .and_then(|()| {
+                meta.mark_all_in_sync();
+                meta.flush_bitmap()
+            });
         match result {
             Ok(()) => {
                 info!("in sync with the primary: up to date");

@@ -142,6 +142,11 @@ pub struct Metadata {
     al_seq: u64,
     /// One bitmap per peer: the regions that peer misses.
     bitmaps: Vec<Vec<u64>>,
+    /// Per peer, in memory only: the regions marked out of sync since a resync pass last
+    /// read them ([`Metadata::copying`]). A pass clears a region's bit only if it was not
+    /// marked again after it was copied ([`Metadata::mark_copied_in_sync`]): a write the
+    /// peer missed in between (it failed here, or its link went) must stay marked.
+    remarked: Vec<Vec<u64>>,
     regions: u64,
     /// Bytes of one peer's bitmap on disk.
     bitmap_bytes: u64,
@@ -237,6 +242,7 @@ impl Metadata {
             flushed_below: 0,
             al_seq: 0,
             bitmaps: vec![vec![0; regions.div_ceil(64) as usize]; peers.len()],
+            remarked: vec![vec![0; regions.div_ceil(64) as usize]; peers.len()],
             regions,
             bitmap_bytes,
             dirty_pages: BTreeSet::new(),
@@ -318,6 +324,7 @@ impl Metadata {
             flushed_below: 0,
             al_extents,
             al_seq,
+            remarked: vec![vec![0; words]; bitmaps.len()],
             bitmaps,
             regions,
             bitmap_bytes,
@@ -625,6 +632,25 @@ impl Metadata {
         self.set_bit(peer, region, false);
     }
 
+    /// A resync pass is about to read the regions a byte range touches, to copy them to
+    /// `peer`: marks made from now on are newer than the copy.
+    pub fn copying(&mut self, peer: usize, offset: u64, length: u64) {
+        let end = offset.saturating_add(length).min(self.superblock.size);
+        for region in offset / REGION_SIZE..end.div_ceil(REGION_SIZE) {
+            self.remarked[peer][(region / 64) as usize] &= !(1 << (region % 64));
+        }
+    }
+
+    /// Marks a region a resync pass copied in sync with `peer`, unless it was marked out
+    /// of sync again since the copy (see [`Metadata::copying`]); returns whether it did.
+    pub fn mark_copied_in_sync(&mut self, peer: usize, region: u64) -> bool {
+        let remarked = self.remarked[peer][(region / 64) as usize] & (1 << (region % 64)) != 0;
+        if !remarked {
+            self.set_bit(peer, region, false);
+        }
+        !remarked
+    }
+
     pub fn is_out_of_sync(&self, peer: usize, region: u64) -> bool {
         region < self.regions
             && self.bitmaps[peer][(region / 64) as usize] & (1 << (region % 64)) != 0
@@ -696,6 +722,9 @@ impl Metadata {
     fn set_bit(&mut self, peer: usize, region: u64, value: bool) {
         let word = (region / 64) as usize;
         let mask = 1u64 << (region % 64);
+        if value {
+            self.remarked[peer][word] |= mask;
+        }
         let bitmap = &mut self.bitmaps[peer];
         let old = bitmap[word];
         bitmap[word] = if value { old | mask } else { old & !mask };
@@ -1225,6 +1254,33 @@ mod tests {
         drop(metadata);
         let e = Metadata::open_or_create(&path, "alpha", "r0", &["beta".into()], SIZE).unwrap_err();
         assert!(e.to_string().contains("peers"), "{e}");
+    }
+
+    #[test]
+    fn a_region_marked_again_after_a_resync_copied_it_stays_out_of_sync() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_path, mut metadata) = fresh(&dir);
+        let region = |r: u64| r * REGION_SIZE;
+        for r in [3, 4] {
+            metadata.mark_out_of_sync(0, region(r), REGION_SIZE);
+        }
+        // A pass copies both; then a write to region 4 fails here (or its link goes), so
+        // beta may lack it again, and it is marked: the pass clears region 3 only.
+        metadata.copying(0, region(3), 2 * REGION_SIZE);
+        metadata.mark_out_of_sync(0, region(4), 4096);
+        assert!(metadata.mark_copied_in_sync(0, 3));
+        assert!(!metadata.mark_copied_in_sync(0, 4));
+        assert!(!metadata.is_out_of_sync(0, 3));
+        assert!(metadata.is_out_of_sync(0, 4));
+        // The next pass copies it again, and nothing marks it meanwhile: cleared.
+        metadata.copying(0, region(4), REGION_SIZE);
+        assert!(metadata.mark_copied_in_sync(0, 4));
+        assert_eq!(metadata.out_of_sync_bytes(0), 0);
+        // Marks for another peer are that peer's alone.
+        metadata.mark_out_of_sync(1, region(5), 1);
+        metadata.copying(0, region(5), REGION_SIZE);
+        assert!(metadata.mark_copied_in_sync(0, 5));
+        assert!(metadata.is_out_of_sync(1, 5));
     }
 
     #[test]

@@ -221,9 +221,9 @@ fn pattern(seed: u8, len: usize) -> Bytes {
     )
 }
 
-/// A memory backend whose writes wait at a gate while it is shut, counting the writes
-/// that wait and those dropped before they finished (abandoned: on a disk behind io_uring,
-/// one the kernel may still be writing).
+/// A memory backend whose writes wait at a gate while it is shut (a disk that hangs),
+/// counting the writes that wait and those dropped before they finished (abandoned: on a
+/// disk behind io_uring, one the kernel may still be writing).
 struct GatedDisk {
     inner: MemoryBackend,
     open: watch::Sender<bool>,
@@ -977,44 +977,22 @@ async fn a_secondary_tells_the_other_secondaries_the_generation_it_takes() {
     let _ = trio.stop.send(true);
 }
 
-/// A memory backend whose writes, once `stall` is set, never complete: a secondary whose
-/// disk hangs, so that a replicated write stays in flight.
-struct Stall {
-    inner: MemoryBackend,
-    stall: AtomicBool,
-}
-
-impl Backend for Stall {
-    fn size(&self) -> u64 {
-        self.inner.size()
+/// A secondary that took the primary's state after a resync records the new generations
+/// before it clears its bitmaps: if the first cannot be written (a crash between the two
+/// does the same), the bits stay, where the other order left the old bitmap generation
+/// with no bits and a peer it was kept for seemingly in sync.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secondary_keeps_its_bits_until_it_has_recorded_the_primarys_state() {
+    let pair = pair("C", Arc::new(MemoryBackend::new(SIZE, false))).await;
+    let (_, generations) = pair.primary.local_state();
+    {
+        let mut meta = pair.secondary.meta();
+        meta.mark_out_of_sync(0, 1 << 20, 65536);
+        meta.refuse_writes();
     }
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-    fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
-        self.inner.read(offset, length)
-    }
-    fn write(&self, offset: u64, data: WriteData, fua: bool) -> BackendFuture<'_, ()> {
-        if self.stall.load(Ordering::Acquire) {
-            return backend_future(std::future::pending());
-        }
-        self.inner.write(offset, data, fua)
-    }
-    fn flush(&self) -> BackendFuture<'_, ()> {
-        self.inner.flush()
-    }
-    fn trim(&self, offset: u64, length: u64, fua: bool) -> BackendFuture<'_, ()> {
-        self.inner.trim(offset, length, fua)
-    }
-    fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> BackendFuture<'_, ()> {
-        self.inner.write_zeroes(offset, length, flags)
-    }
-    fn cache(&self, offset: u64, length: u64) -> BackendFuture<'_, ()> {
-        self.inner.cache(offset, length)
-    }
-    fn extents(&self, offset: u64, length: u64) -> BackendFuture<'_, Vec<Extent>> {
-        self.inner.extents(offset, length)
-    }
+    pair.secondary.adopt_state_from_primary(generations);
+    assert_eq!(pair.secondary.meta().out_of_sync_bytes(0), 65536);
+    let _ = pair.stop.send(true);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1022,10 +1000,8 @@ async fn a_peer_lost_while_a_demotion_drains_its_writes_misses_them_in_the_bitma
     // Demote stops taking writes at once but waits for those in flight. If the peer is
     // lost meanwhile, the write still in flight to it is acknowledged degraded, so its
     // region must be in the peer's bitmap although this node is no longer primary.
-    let stall = Arc::new(Stall {
-        inner: MemoryBackend::new(SIZE, false),
-        stall: AtomicBool::new(false),
-    });
+    // Beta's disk: its writes wait at a gate that stays shut (a disk that hangs).
+    let stall = GatedDisk::new();
     let pair = cluster(
         "C",
         2,
@@ -1035,7 +1011,7 @@ async fn a_peer_lost_while_a_demotion_drains_its_writes_misses_them_in_the_bitma
         Some(Arc::clone(&stall) as Arc<dyn Backend>),
     )
     .await;
-    stall.stall.store(true, Ordering::Release);
+    stall.open.send_replace(false);
     let primary = Arc::clone(&pair.primary);
     let write = tokio::spawn(async move {
         let backend = ReplicatedBackend { shared: primary };

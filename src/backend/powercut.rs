@@ -160,11 +160,7 @@ impl PowerCut {
             return Ok(());
         }
         let (start, end) = (change.offset, change.end());
-        state.cache = std::mem::take(&mut state.cache)
-            .into_iter()
-            .flat_map(|c| c.without(start, end))
-            .collect();
-        match change.data {
+        let written = match change.data {
             Some(data) => self.inner.write(start, data, true).await,
             None => {
                 let flags = ZeroFlags {
@@ -174,7 +170,16 @@ impl PowerCut {
                 };
                 self.inner.write_zeroes(start, end - start, flags).await
             }
+        };
+        // Only a write that went through supersedes the older cached ones: had they gone
+        // first, a failed one would leave the range older than writes that completed.
+        if written.is_ok() {
+            state.cache = std::mem::take(&mut state.cache)
+                .into_iter()
+                .flat_map(|c| c.without(start, end))
+                .collect();
         }
+        written
     }
 }
 
@@ -240,10 +245,23 @@ impl Backend for PowerCut {
             if state.cut {
                 return Err(Self::powered_off("flush", 0, 0));
             }
-            for change in std::mem::take(&mut state.cache) {
-                self.apply(change).await?;
+            // Each change leaves the cache once applied: after a failure, it and the ones
+            // after it stay (reads go on seeing them, the next FLUSH tries them again),
+            // where taking them all first lost them.
+            let mut applied = 0;
+            let mut failed = None;
+            for change in state.cache.clone() {
+                if let Err(e) = self.apply(change).await {
+                    failed = Some(e);
+                    break;
+                }
+                applied += 1;
             }
-            self.inner.flush().await
+            state.cache.drain(..applied);
+            match failed {
+                Some(e) => Err(e),
+                None => self.inner.flush().await,
+            }
         })
     }
 
@@ -319,6 +337,85 @@ mod tests {
 
     async fn media_byte(media: &MemoryBackend, at: u64) -> u8 {
         media.read(at, 1).await.unwrap().bytes()[0]
+    }
+
+    /// Media whose writes at offset 0 fail while `failing` is set.
+    struct FailingAtZero {
+        inner: MemoryBackend,
+        failing: std::sync::atomic::AtomicBool,
+    }
+
+    impl Backend for FailingAtZero {
+        fn size(&self) -> u64 {
+            self.inner.size()
+        }
+        fn capabilities(&self) -> Capabilities {
+            self.inner.capabilities()
+        }
+        fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
+            self.inner.read(offset, length)
+        }
+        fn write(&self, offset: u64, data: WriteData, fua: bool) -> BackendFuture<'_, ()> {
+            if offset == 0 && self.failing.load(std::sync::atomic::Ordering::Acquire) {
+                let length = data.len() as u64;
+                return backend_future(async move {
+                    Err(BackendError::plain("write", 0, length, NbdError::Io))
+                });
+            }
+            self.inner.write(offset, data, fua)
+        }
+        fn flush(&self) -> BackendFuture<'_, ()> {
+            self.inner.flush()
+        }
+        fn trim(&self, offset: u64, length: u64, fua: bool) -> BackendFuture<'_, ()> {
+            self.inner.trim(offset, length, fua)
+        }
+        fn write_zeroes(
+            &self,
+            offset: u64,
+            length: u64,
+            flags: ZeroFlags,
+        ) -> BackendFuture<'_, ()> {
+            self.inner.write_zeroes(offset, length, flags)
+        }
+        fn cache(&self, offset: u64, length: u64) -> BackendFuture<'_, ()> {
+            self.inner.cache(offset, length)
+        }
+        fn extents(&self, offset: u64, length: u64) -> BackendFuture<'_, Vec<Extent>> {
+            self.inner.extents(offset, length)
+        }
+    }
+
+    /// A FLUSH that fails part-way keeps the writes it did not get down: they still read
+    /// back, and the next FLUSH (the media working again) puts them on the media. A FUA
+    /// write that fails keeps the older cached writes it would have superseded.
+    #[test]
+    fn a_failed_flush_or_fua_write_loses_no_completed_write() {
+        block_on(async {
+            let media = Arc::new(FailingAtZero {
+                inner: MemoryBackend::new(1 << 20, false),
+                failing: std::sync::atomic::AtomicBool::new(true),
+            });
+            let layer = PowerCut::new(Arc::clone(&media) as Arc<dyn Backend>);
+            let block = |byte: u8| Bytes::from(vec![byte; 4096]);
+            layer.write(0, block(1).into(), false).await.unwrap();
+            layer.write(4096, block(2).into(), false).await.unwrap();
+            assert!(layer.flush().await.is_err());
+            assert_eq!(layer.read(4096, 4096).await.unwrap().bytes(), block(2));
+            assert_eq!(layer.read(0, 4096).await.unwrap().bytes(), block(1));
+            // A FUA write over the first block fails: the cached one still reads.
+            assert!(layer.write(0, block(3).into(), true).await.is_err());
+            assert_eq!(layer.read(0, 4096).await.unwrap().bytes(), block(1));
+            media
+                .failing
+                .store(false, std::sync::atomic::Ordering::Release);
+            layer.flush().await.unwrap();
+            assert_eq!(media.inner.read(0, 4096).await.unwrap().bytes(), block(1));
+            assert_eq!(
+                media.inner.read(4096, 4096).await.unwrap().bytes(),
+                block(2)
+            );
+        });
     }
 
     /// Over a file the layer flushes ahead as the file does, so that the crash tests'

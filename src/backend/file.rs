@@ -805,6 +805,11 @@ impl Backend for FileBackend {
         if !self.can_splice() || length < super::splice::SPLICE_MIN {
             return None;
         }
+        // After a read error a cached page may be unreadable: splicing it would read the
+        // device again on the connection's thread, to fail (see `stop_mapped_reads`).
+        if self.mapped_reads_off.load(Ordering::Relaxed) {
+            return None;
+        }
         super::splice::splice_cached(&self.file, offset, length)
     }
 

@@ -115,9 +115,14 @@ impl MappedPart {
     /// would be a `SIGBUS` if the file shrank underneath (see the module).
     pub fn bytes(&self) -> &[u8] {
         // SAFETY: `part` checked that `[start, start + len)` lies within the mapping, which
-        // this part keeps mapped for the borrow's length. The memory is readable
-        // (`PROT_READ`); its contents may change with the file (a shared mapping), which the
-        // callers tolerate as a concurrent write to the range, as `pread` would.
+        // this part keeps mapped for the borrow's length, and the memory is readable
+        // (`PROT_READ`). Its contents may change under the borrow (the server's own writes
+        // to the file, through a shared mapping), which Rust's rules for a `&[u8]` do not
+        // allow; what keeps that harmless is the contract above: the slice only goes to the
+        // kernel (`writev`), which reads the memory itself, as for any buffer shared with
+        // a device, and no code of the server loads through it (tests compare parts only
+        // on files nobody writes meanwhile). A reader sees the range as a concurrent write
+        // left it, as `pread` would.
         unsafe { std::slice::from_raw_parts(self.mapping.start.as_ptr().add(self.start), self.len) }
     }
 

@@ -524,8 +524,9 @@ impl Drop for ConnectionThreads {
     }
 }
 
-/// Negotiates and then serves one connection; `alive` is dropped when it ends. (The
-/// server's own connections are also listed in [`ServerConfig::clients`].)
+/// Negotiates and then serves one connection; `alive` is dropped when it ends. (For a
+/// caller with a stream of its own: it is not listed in [`ServerConfig::clients`], as the
+/// connections a server accepts are.)
 pub async fn handle_connection<S: Stream>(
     stream: S,
     config: Arc<ServerConfig>,

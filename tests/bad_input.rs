@@ -719,7 +719,12 @@ fn rule6_handshake_violations_drop_and_bad_options_are_answered() {
     // server may skip any option; NBD_REP_ERR_TOO_BIG is the refusal for its size).
     let long = vec![0x5a; netblk::wire::MAX_OPTION_LEN as usize + 4464];
     raw.send_option(97, &long);
-    expect(&mut raw, 97, rep::ERR_TOO_BIG, "unknown option of 70,000 bytes");
+    expect(
+        &mut raw,
+        97,
+        rep::ERR_TOO_BIG,
+        "unknown option of 70,000 bytes",
+    );
     raw.send_option(opt::SET_META_CONTEXT, &long);
     expect(
         &mut raw,

@@ -25,6 +25,7 @@ use super::wire::{
     piece_checksums, write_flags, DiskState, Hello, Message, ResyncStatus, Role, PROTOCOL_VERSION,
 };
 use crate::backend::{backend_future, BackendFuture, ZeroFlags};
+use crate::log_limit::{warn_limited, FAILED_REQUESTS};
 
 /// What a reply is waited for under.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -932,9 +933,19 @@ async fn apply_logged<'a>(
     length: u64,
     apply: impl FnOnce() -> BackendFuture<'a, ()>,
 ) -> Result<(), crate::backend::BackendError> {
-    shared.activate_as_secondary(offset, length).await?;
-    let result = apply().await;
-    shared.release(offset, length);
+    let result = match shared.activate_as_secondary(offset, length).await {
+        Ok(()) => {
+            let applied = apply().await;
+            shared.release(offset, length);
+            applied
+        }
+        Err(e) => Err(e),
+    };
+    // The primary learns only the errno (and marks the range for this node); the reason
+    // is this node's to log, once, as a failed client request is on the primary.
+    if let Err(e) = &result {
+        warn_limited!(FAILED_REQUESTS, "applying the primary's {e}");
+    }
     result
 }
 

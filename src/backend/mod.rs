@@ -7,6 +7,60 @@
 //! [`Capabilities`], which map one-to-one onto NBD transmission flags in
 //! [`Capabilities::transmission_flags`].
 
+/// For test disks that wrap another backend in a field `inner` and change only some
+/// methods: the named methods, passed on to `self.inner` unchanged.
+#[cfg(test)]
+macro_rules! pass_to_inner {
+    ($($method:ident),* $(,)?) => { $( $crate::backend::pass_to_inner!(@one $method); )* };
+    (@one size) => {
+        fn size(&self) -> u64 {
+            self.inner.size()
+        }
+    };
+    (@one capabilities) => {
+        fn capabilities(&self) -> $crate::backend::Capabilities {
+            self.inner.capabilities()
+        }
+    };
+    (@one read) => {
+        fn read(&self, offset: u64, length: usize) -> $crate::backend::BackendFuture<'_, $crate::backend::ReadData> {
+            self.inner.read(offset, length)
+        }
+    };
+    (@one write) => {
+        fn write(&self, offset: u64, data: $crate::backend::WriteData, fua: bool) -> $crate::backend::BackendFuture<'_, ()> {
+            self.inner.write(offset, data, fua)
+        }
+    };
+    (@one flush) => {
+        fn flush(&self) -> $crate::backend::BackendFuture<'_, ()> {
+            self.inner.flush()
+        }
+    };
+    (@one trim) => {
+        fn trim(&self, offset: u64, length: u64, fua: bool) -> $crate::backend::BackendFuture<'_, ()> {
+            self.inner.trim(offset, length, fua)
+        }
+    };
+    (@one write_zeroes) => {
+        fn write_zeroes(&self, offset: u64, length: u64, flags: $crate::backend::ZeroFlags) -> $crate::backend::BackendFuture<'_, ()> {
+            self.inner.write_zeroes(offset, length, flags)
+        }
+    };
+    (@one cache) => {
+        fn cache(&self, offset: u64, length: u64) -> $crate::backend::BackendFuture<'_, ()> {
+            self.inner.cache(offset, length)
+        }
+    };
+    (@one extents) => {
+        fn extents(&self, offset: u64, length: u64) -> $crate::backend::BackendFuture<'_, Vec<$crate::backend::Extent>> {
+            self.inner.extents(offset, length)
+        }
+    };
+}
+#[cfg(test)]
+pub(crate) use pass_to_inner;
+
 mod answer;
 pub mod file;
 pub mod mapping;

@@ -346,15 +346,16 @@ mod tests {
     }
 
     impl Backend for FailingAtZero {
-        fn size(&self) -> u64 {
-            self.inner.size()
-        }
-        fn capabilities(&self) -> Capabilities {
-            self.inner.capabilities()
-        }
-        fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
-            self.inner.read(offset, length)
-        }
+        crate::backend::pass_to_inner!(
+            size,
+            capabilities,
+            read,
+            flush,
+            trim,
+            write_zeroes,
+            cache,
+            extents
+        );
         fn write(&self, offset: u64, data: WriteData, fua: bool) -> BackendFuture<'_, ()> {
             if offset == 0 && self.failing.load(std::sync::atomic::Ordering::Acquire) {
                 let length = data.len() as u64;
@@ -363,26 +364,6 @@ mod tests {
                 });
             }
             self.inner.write(offset, data, fua)
-        }
-        fn flush(&self) -> BackendFuture<'_, ()> {
-            self.inner.flush()
-        }
-        fn trim(&self, offset: u64, length: u64, fua: bool) -> BackendFuture<'_, ()> {
-            self.inner.trim(offset, length, fua)
-        }
-        fn write_zeroes(
-            &self,
-            offset: u64,
-            length: u64,
-            flags: ZeroFlags,
-        ) -> BackendFuture<'_, ()> {
-            self.inner.write_zeroes(offset, length, flags)
-        }
-        fn cache(&self, offset: u64, length: u64) -> BackendFuture<'_, ()> {
-            self.inner.cache(offset, length)
-        }
-        fn extents(&self, offset: u64, length: u64) -> BackendFuture<'_, Vec<Extent>> {
-            self.inner.extents(offset, length)
         }
     }
 

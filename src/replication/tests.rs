@@ -15,8 +15,7 @@ use super::meta::Metadata;
 use super::peer::run_replication;
 use crate::backend::memory::MemoryBackend;
 use crate::backend::{
-    backend_future, Backend, BackendError, BackendFuture, Capabilities, Extent, ReadData,
-    WriteData, ZeroFlags,
+    backend_future, Backend, BackendError, BackendFuture, ReadData, WriteData, ZeroFlags,
 };
 use crate::tcp::TcpSettings;
 use crate::wire::NbdError;
@@ -53,12 +52,7 @@ impl FaultyDisk {
 }
 
 impl Backend for FaultyDisk {
-    fn size(&self) -> u64 {
-        self.inner.size()
-    }
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
+    crate::backend::pass_to_inner!(size, capabilities, cache, extents);
     fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
         if offset < 65536 && self.bad_sector.load(Ordering::Acquire) {
             return backend_future(async move {
@@ -92,12 +86,6 @@ impl Backend for FaultyDisk {
     fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> BackendFuture<'_, ()> {
         self.failure("write_zeroes", offset, length)
             .unwrap_or_else(|| self.inner.write_zeroes(offset, length, flags))
-    }
-    fn cache(&self, offset: u64, length: u64) -> BackendFuture<'_, ()> {
-        self.inner.cache(offset, length)
-    }
-    fn extents(&self, offset: u64, length: u64) -> BackendFuture<'_, Vec<Extent>> {
-        self.inner.extents(offset, length)
     }
 }
 
@@ -260,15 +248,16 @@ impl Drop for Unfinished {
 }
 
 impl Backend for GatedDisk {
-    fn size(&self) -> u64 {
-        self.inner.size()
-    }
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-    fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
-        self.inner.read(offset, length)
-    }
+    crate::backend::pass_to_inner!(
+        size,
+        capabilities,
+        read,
+        flush,
+        trim,
+        write_zeroes,
+        cache,
+        extents
+    );
     fn write(&self, offset: u64, data: WriteData, fua: bool) -> BackendFuture<'_, ()> {
         let unfinished = Unfinished(Some(Arc::clone(&self.abandoned)));
         let mut open = self.open.subscribe();
@@ -281,21 +270,6 @@ impl Backend for GatedDisk {
             unfinished.done();
             result
         })
-    }
-    fn flush(&self) -> BackendFuture<'_, ()> {
-        self.inner.flush()
-    }
-    fn trim(&self, offset: u64, length: u64, fua: bool) -> BackendFuture<'_, ()> {
-        self.inner.trim(offset, length, fua)
-    }
-    fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> BackendFuture<'_, ()> {
-        self.inner.write_zeroes(offset, length, flags)
-    }
-    fn cache(&self, offset: u64, length: u64) -> BackendFuture<'_, ()> {
-        self.inner.cache(offset, length)
-    }
-    fn extents(&self, offset: u64, length: u64) -> BackendFuture<'_, Vec<Extent>> {
-        self.inner.extents(offset, length)
     }
 }
 
@@ -799,15 +773,16 @@ struct OrderRecorder {
 }
 
 impl Backend for OrderRecorder {
-    fn size(&self) -> u64 {
-        self.inner.size()
-    }
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-    fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
-        self.inner.read(offset, length)
-    }
+    crate::backend::pass_to_inner!(
+        size,
+        capabilities,
+        read,
+        flush,
+        trim,
+        write_zeroes,
+        cache,
+        extents
+    );
     fn write(&self, offset: u64, data: WriteData, fua: bool) -> BackendFuture<'_, ()> {
         backend_future(async move {
             if offset == 0 {
@@ -817,21 +792,6 @@ impl Backend for OrderRecorder {
             self.completed.lock().unwrap().push(offset);
             result
         })
-    }
-    fn flush(&self) -> BackendFuture<'_, ()> {
-        self.inner.flush()
-    }
-    fn trim(&self, offset: u64, length: u64, fua: bool) -> BackendFuture<'_, ()> {
-        self.inner.trim(offset, length, fua)
-    }
-    fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> BackendFuture<'_, ()> {
-        self.inner.write_zeroes(offset, length, flags)
-    }
-    fn cache(&self, offset: u64, length: u64) -> BackendFuture<'_, ()> {
-        self.inner.cache(offset, length)
-    }
-    fn extents(&self, offset: u64, length: u64) -> BackendFuture<'_, Vec<Extent>> {
-        self.inner.extents(offset, length)
     }
 }
 

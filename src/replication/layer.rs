@@ -687,6 +687,12 @@ impl Shared {
         }
         let flushed_by_synced_peer = flushed.iter().any(|c| c.synced.load(Ordering::Acquire));
         let local = self.local_outcome("flush", 0, 0, detached, local, flushed_by_synced_peer);
+        if local.is_err() {
+            // Under A or B (or with no synced peer) the peers may hold writes this disk
+            // lost: marked now, so status counts them and the next resync settles them.
+            let marked = self.meta().mark_unflushed_out_of_sync();
+            warn!("the local flush failed: {marked} extents written since the last flush marked out of sync");
+        }
         // A peer that failed the barrier was dropped, and what it misses is in the bitmap.
         if local.is_ok() {
             self.meta().flush_done(generation);

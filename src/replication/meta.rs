@@ -564,6 +564,22 @@ impl Metadata {
         self.flushed_below = self.flushed_below.max(generation + 1);
     }
 
+    /// A local flush failed: the writes no completed flush covers may be lost here while
+    /// the peers hold them. Marks their extents (those with writes in flight, or written
+    /// since the last completed flush) out of sync for every peer, as a restart after an
+    /// unclean stop would, so the next resync makes the replicas agree. Answers how many
+    /// extents it marked.
+    pub fn mark_unflushed_out_of_sync(&mut self) -> usize {
+        let unflushed: Vec<u64> = (0..self.al_extents.len())
+            .filter(|&i| self.al_refs[i] > 0 || self.al_released[i] >= self.flushed_below)
+            .map(|i| self.al_extents[i])
+            .collect();
+        for extent in &unflushed {
+            self.mark_out_of_sync_for_all(extent * EXTENT_SIZE, EXTENT_SIZE);
+        }
+        unflushed.len()
+    }
+
     /// Extents in the on-disk log.
     pub fn logged_extents(&self) -> &[u64] {
         &self.al_extents
@@ -1062,6 +1078,30 @@ mod tests {
         drop(file);
         let e = Metadata::open(&path).unwrap_err();
         assert!(matches!(e, MetaError::Io { .. }), "{e}");
+    }
+
+    #[test]
+    fn a_failed_flush_marks_only_extents_no_completed_flush_covers() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_path, mut metadata) = fresh(&dir);
+        let flushed = Metadata::extents_of(0, 4096);
+        let written_after = Metadata::extents_of(EXTENT_SIZE, 4096);
+        let in_flight = Metadata::extents_of(2 * EXTENT_SIZE, 4096);
+        metadata.activate(flushed.clone()).unwrap();
+        metadata.release(flushed);
+        let covering = metadata.begin_flush();
+        metadata.flush_done(covering);
+        metadata.activate(written_after.clone()).unwrap();
+        metadata.release(written_after);
+        metadata.activate(in_flight).unwrap();
+        let _failed = metadata.begin_flush();
+        assert_eq!(metadata.mark_unflushed_out_of_sync(), 2);
+        for peer in 0..metadata.peer_count() {
+            assert!(!metadata.is_out_of_sync(peer, 0));
+            assert_eq!(metadata.out_of_sync_bytes(peer), 2 * EXTENT_SIZE);
+            assert!(metadata.is_out_of_sync(peer, EXTENT_SIZE / REGION_SIZE));
+            assert!(metadata.is_out_of_sync(peer, 2 * EXTENT_SIZE / REGION_SIZE));
+        }
     }
 
     #[test]

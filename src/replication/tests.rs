@@ -507,6 +507,32 @@ async fn a_local_write_error_no_peer_applied_fails_and_keeps_the_disk() {
     }
 }
 
+/// A failed local flush that does not detach (protocol B: the peer's barrier ack does
+/// not say it applied the writes) marks what it should have made durable at once, so
+/// status counts it and the next resync settles it; not only after a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_local_flush_under_protocol_b_marks_the_unflushed_extents() {
+    let (disk, nodes) = pair_on_a_faulty_disk("B").await;
+    let backend = nodes.primary_backend();
+    backend
+        .write(0, pattern(3, 4096).into(), false)
+        .await
+        .unwrap();
+    backend.flush().await.unwrap();
+    backend
+        .write(SIZE / 2, pattern(4, 4096).into(), false)
+        .await
+        .unwrap();
+    assert_eq!(nodes.primary.status().peers[0].out_of_sync_bytes, 0);
+    disk.failing.store(true, Ordering::Release);
+    assert!(backend.flush().await.is_err());
+    let status = nodes.primary.status();
+    assert_eq!(status.detached, None);
+    // Only the extent written since the completed flush: 4 MiB.
+    assert_eq!(status.peers[0].out_of_sync_bytes, 4 << 20, "{status:?}");
+    let _ = nodes.stop.send(true);
+}
+
 /// A failed local flush, the peer's barrier done, detaches the disk too: the data is
 /// durable on the peer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

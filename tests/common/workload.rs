@@ -92,6 +92,27 @@ impl History {
         self.clock.fetch_add(1, Ordering::SeqCst)
     }
 
+    /// Writes and FLUSHes that were acknowledged with success.
+    pub fn acknowledged(&self) -> (usize, usize) {
+        let writes = self.writes.lock().unwrap();
+        let acked_writes = writes
+            .values()
+            .flatten()
+            .filter(|w| w.acked.is_some())
+            .count();
+        (acked_writes, self.flushes.lock().unwrap().len())
+    }
+
+    /// Panics unless the workload ran for real before the crash: a server that failed
+    /// every write or FLUSH would otherwise leave nothing to check, and pass.
+    pub fn assert_ran(&self, what: &str) {
+        let (writes, flushes) = self.acknowledged();
+        assert!(
+            writes > 20 && flushes > 0,
+            "{what}: the workload barely ran ({writes} writes and {flushes} FLUSHes acknowledged)"
+        );
+    }
+
     /// Checks one block's contents against the flush rule; `Err` says what is wrong.
     pub fn check(&self, block: u64, data: &[u8]) -> Result<(), String> {
         self.check_promise(block, data, Promise::FlushedOrFua)

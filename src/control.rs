@@ -55,17 +55,10 @@ pub struct ExportStatus {
     pub clients: usize,
 }
 
-/// Binds the control socket; a stale socket file (nobody listening) is replaced.
+/// Binds the control socket; a stale socket file (nobody listening) is replaced, and
+/// anything else at the path is refused.
 pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
-    if path.exists() {
-        if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::AddrInUse,
-                format!("{} is in use by another server", path.display()),
-            ));
-        }
-        std::fs::remove_file(path)?;
-    }
+    crate::listen::clear_stale_socket(path)?;
     UnixListener::bind(path)
 }
 

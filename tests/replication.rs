@@ -492,11 +492,25 @@ fn status_reports_roles_peers_and_the_bitmap_and_promote_is_checked() {
         .args(["verify", "--config"])
         .arg(&config)
         .args(["--node", "alpha"]));
-    assert!(String::from_utf8_lossy(&verify.stdout).contains("0 regions differed"));
+    let said = String::from_utf8_lossy(&verify.stdout);
+    assert!(
+        said.contains("0 regions differed (compared with beta)"),
+        "{said}"
+    );
     // Without the secondary, the bitmap records what it misses.
     secondary.signal("KILL");
     drop(secondary);
     wait_for_log("primary", || primary.stderr(), "peer lost", 1);
+    // With no peer there is nothing to verify against: an error, not "0 differed".
+    let verify = Command::new(env!("CARGO_BIN_EXE_netblk"))
+        .args(["verify", "--config"])
+        .arg(&config)
+        .args(["--node", "alpha"])
+        .output()
+        .unwrap();
+    assert!(!verify.status.success());
+    let said = String::from_utf8_lossy(&verify.stderr);
+    assert!(said.contains("nothing to compare with"), "{said}");
     let out = qemu_io(&primary.uri(), &["write -P 1 0 4k"]);
     assert!(out.status.success(), "{out:?}");
     let status = status_json(&config, "alpha");

@@ -163,8 +163,9 @@ impl Shared {
 
     /// Online verify: compares the CRC32C of every region with every replicating peer.
     /// Regions that differ are marked out of sync and the peer is reconnected, which
-    /// resyncs them. Returns the number of differing regions.
-    pub async fn verify(&self) -> Result<u64, String> {
+    /// resyncs them. Answers how many regions differed and with which peers it compared;
+    /// an error when no peer could be compared.
+    pub async fn verify(&self) -> Result<String, String> {
         if !self.is_primary() {
             return Err("verify runs on the primary".into());
         }
@@ -176,6 +177,7 @@ impl Shared {
         }
         let size = self.local.size();
         let mut differing = 0;
+        let mut compared = Vec::new();
         for slot in &self.peers {
             let conn = slot.conn.lock().unwrap_or_else(|e| e.into_inner()).clone();
             let Some(conn) = conn.filter(|c| c.replicating.load(Ordering::Acquire)) else {
@@ -223,8 +225,21 @@ impl Shared {
                 info!(peer = %conn.peer, "verify: every region is equal");
             }
             differing += peer_differing;
+            compared.push(conn.peer.clone());
         }
-        Ok(differing)
+        if compared.is_empty() {
+            return Err("no peer is connected and replicating: nothing to compare with".into());
+        }
+        let skipped = self.peers.len() - compared.len();
+        let not_compared = if skipped > 0 {
+            format!("; {skipped} peer(s) not connected, not compared")
+        } else {
+            String::new()
+        };
+        Ok(format!(
+            "verify done: {differing} regions differed (compared with {}{not_compared})",
+            compared.join(", ")
+        ))
     }
 }
 
@@ -271,12 +286,7 @@ async fn answer(shared: &Shared, request: &str) -> Reply {
             });
             done(result)
         }
-        ["verify"] => done(
-            shared
-                .verify()
-                .await
-                .map(|n| format!("verify done: {n} regions differed")),
-        ),
+        ["verify"] => done(shared.verify().await),
         _ => done(Err(format!(
             "unknown request {request:?} (status, promote [--force], demote, verify)"
         ))),

@@ -233,8 +233,16 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
             return run_replicated(&args, path);
         }
         if args.node.is_some() {
+            // Say why it is not one: a syntax error reads better than "no table".
+            if let Err(e) = text.parse::<toml::Table>() {
+                bail!("{}: {e}", path.display());
+            }
             bail!("--node needs a resource file (one with a [resource] table)");
         }
+    } else if args.node.is_some() || args.primary {
+        // Serving a replicated backing without its resource file would change it
+        // behind the peers' backs: no bitmap, no generation.
+        bail!("--node and --primary need --config with the resource file");
     }
     let (exports, mut listen, timeout, congestion) = match &args.config {
         Some(path) => {

@@ -61,6 +61,13 @@ fn an_invalid_config_names_the_key_and_why() {
         "{err}"
     );
 
+    // A resource file with a syntax error says so, not "no [resource] table".
+    std::fs::write(&path, "[resource\nname = \"r0\"\n").unwrap();
+    let out = netblk(&["serve", "--config", path.to_str().unwrap(), "--node", "a"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("TOML parse error"), "{err}");
+
     std::fs::write(&path, "[[export]]\nname = \"a\"\nbackng = \"memory:1M\"\n").unwrap();
     let out = netblk(&["serve", "--config", path.to_str().unwrap()]);
     assert!(!out.status.success());
@@ -78,6 +85,16 @@ fn bad_command_lines_are_clear_errors() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--listen"));
     let out = netblk(&["serve"]);
     assert!(!out.status.success(), "BACKING or --config is required");
+    // A replicated backing served without its resource file would drift from its peers.
+    for node in [&["--node", "alpha"][..], &["--node", "alpha", "--primary"]] {
+        let out = netblk(&[&["serve", "memory:1M"][..], node].concat());
+        assert!(
+            !out.status.success(),
+            "{node:?} without --config was served"
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("need --config"), "{err}");
+    }
 }
 
 #[test]

@@ -497,12 +497,15 @@ async fn a_local_write_error_no_peer_applied_fails_and_keeps_the_disk() {
                 .is_err(),
             "protocol {protocol}, peer running: {peer_running}"
         );
+        // The peer may hold what the disk did not take: the next resync settles it.
+        let status = nodes.primary.status();
+        assert_eq!(status.peers[0].out_of_sync_bytes, 65536, "{status:?}");
         assert!(backend.flush().await.is_err());
         let status = nodes.primary.status();
         assert_eq!(status.detached, None);
         assert_eq!(status.disk, "UpToDate");
-        // The peer may hold what the disk did not take: the next resync settles it.
-        assert_eq!(status.peers[0].out_of_sync_bytes, 65536, "{status:?}");
+        // The failed flush marks the whole extent written since the last flush.
+        assert_eq!(status.peers[0].out_of_sync_bytes, 4 << 20, "{status:?}");
         let _ = nodes.stop.send(true);
     }
 }

@@ -307,10 +307,16 @@ impl Shared {
         meta: &mut Metadata,
         conns: &[Arc<PeerConn>],
     ) -> Result<(), String> {
-        let generations = meta.superblock().generations;
-        if generations.bitmap != 0 {
+        if meta.superblock().generations.bitmap != 0 {
             return Ok(());
         }
+        self.start_generation(meta, conns)
+    }
+
+    /// A new data generation, durable, shared at once with the connected peers that are
+    /// in sync (`conns`). With a bitmap generation already open (another peer was away
+    /// before) the old `current` goes to history and the bitmap base stays.
+    fn start_generation(&self, meta: &mut Metadata, conns: &[Arc<PeerConn>]) -> Result<(), String> {
         let new = random_generation().map_err(|e| e.to_string())?;
         blocking(|| meta.update(|sb| sb.generations.start_new(new))).map_err(|e| e.to_string())?;
         warn!(
@@ -360,9 +366,19 @@ impl Shared {
             }
             warn!(peer = %slot.config.name, "peer lost ({why}): going on degraded, {} bytes out of sync", meta.out_of_sync_bytes(slot.index));
             // Writes in flight to the lost peer are acknowledged degraded as soon as this
-            // returns: the generation moves on first, not at the next write.
+            // returns: the generation moves on first, not at the next write. A peer that
+            // was in sync holds this node's `current`, so a new one starts even when a
+            // bitmap generation is open already (another peer was away): otherwise, were
+            // that peer promoted and written, its new generation would name this one's as
+            // its bitmap base and hide the split brain, and the resync would overwrite
+            // what this node acknowledged alone.
             let others = self.replicating_conns();
-            if let Err(e) = self.start_generation_if_needed(&mut meta, &others) {
+            let started = if conn.synced.load(Ordering::Acquire) {
+                self.start_generation(&mut meta, &others)
+            } else {
+                self.start_generation_if_needed(&mut meta, &others)
+            };
+            if let Err(e) = started {
                 warn!("metadata: {e}");
             }
         } else if conn.plan == Plan::Target && !self.stopping.load(Ordering::Acquire) {

@@ -773,6 +773,62 @@ async fn a_connected_peer_takes_the_new_generation_when_another_is_away() {
     let _ = pair.stop.send(true);
 }
 
+/// Three nodes: gamma is away (a bitmap generation is open) when beta, in sync, is lost
+/// too. Alpha's writes after that must not share beta's generation: were beta then
+/// promoted and written, the two would meet as a split brain, not as "alpha behind
+/// beta's bitmap", whose resync would overwrite what alpha acknowledged alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn losing_a_second_peer_starts_a_new_generation_so_a_later_split_brain_shows() {
+    use super::generation::SyncDecision;
+    let nodes = cluster(
+        "C",
+        3,
+        Arc::new(MemoryBackend::new(SIZE, false)),
+        "1G",
+        2,
+        None,
+    )
+    .await;
+    let backend = nodes.primary_backend();
+    backend
+        .write(0, pattern(1, 4096).into(), false)
+        .await
+        .unwrap();
+    let shared = nodes.primary.status().generation;
+    wait_until("beta takes the generation of gamma's absence", || {
+        nodes.secondary.status().generation == shared
+    })
+    .await;
+    let _ = nodes.stop.0[1].send(true);
+    wait_until("alpha sees beta go", || {
+        nodes.primary.status().peers.iter().all(|p| !p.connected)
+    })
+    .await;
+    backend
+        .write(SIZE / 2, pattern(2, 4096).into(), false)
+        .await
+        .unwrap();
+    backend.flush().await.unwrap();
+    let (_, alpha) = nodes.primary.local_state();
+    let (_, beta) = nodes.secondary.local_state();
+    assert_ne!(alpha.current, beta.current, "alpha wrote alone: {alpha:?}");
+    // Beta returning as it is: behind alpha (a full, checksum-only resync from alpha).
+    assert_eq!(alpha.compare(&beta), SyncDecision::SourceFull);
+    assert_eq!(beta.compare(&alpha), SyncDecision::TargetFull);
+    // Beta promoted and written meanwhile: a split brain from both sides.
+    let mut promoted_beta = beta;
+    promoted_beta.start_new(super::generation::random_generation().unwrap());
+    assert_eq!(alpha.compare(&promoted_beta), SyncDecision::SplitBrain);
+    assert_eq!(promoted_beta.compare(&alpha), SyncDecision::SplitBrain);
+    // Gamma, away since the first new generation, is still behind alpha's bitmap.
+    let gamma_then = super::generation::Generations {
+        current: alpha.bitmap,
+        ..Default::default()
+    };
+    assert_eq!(alpha.compare(&gamma_then), SyncDecision::SourceFromBitmap);
+    let _ = nodes.stop.send(true);
+}
+
 #[tokio::test(flavor = "current_thread")]
 async fn the_layer_also_runs_on_a_current_thread_runtime() {
     // Metadata updates must not rely on block_in_place, which panics here.

@@ -594,6 +594,7 @@ impl Shared {
         let detached = self.is_detached();
         let local_result = if detached { Ok(()) } else { local().await };
         let mut applied_by_synced_peer = false;
+        let mut lost_peer = false;
         for (conn, wait) in waits {
             // Protocol A does not wait, except for a peer so far behind that its queue
             // would grow without bound: then this write waits like protocol C.
@@ -601,7 +602,11 @@ impl Shared {
             if self.resource.protocol != Protocol::A || behind {
                 let acked = self.await_peer(&conn, wait, op, deadline).await;
                 applied_by_synced_peer |= acked && conn.synced.load(Ordering::Acquire);
+                lost_peer |= !acked;
             }
+        }
+        if lost_peer {
+            self.check_degraded_is_recorded(op, offset, length)?;
         }
         self.local_outcome(
             op,
@@ -611,6 +616,28 @@ impl Shared {
             local_result,
             applied_by_synced_peer,
         )
+    }
+
+    /// A peer was lost while this write waited for it: it may be acknowledged without
+    /// that peer only if the metadata recorded the loss (the new generation and the bits).
+    /// Once the metadata has stopped, it may not have: then the write fails, as writes
+    /// after it do.
+    fn check_degraded_is_recorded(
+        &self,
+        op: &'static str,
+        offset: u64,
+        length: u64,
+    ) -> Result<(), BackendError> {
+        match self.meta().stopped() {
+            None => Ok(()),
+            Some(e) => Err(BackendError::because(
+                op,
+                offset,
+                length,
+                NbdError::Io,
+                format_args!("a peer was lost and the metadata could not record it: {e}"),
+            )),
+        }
     }
 
     /// The reply to a replicated operation from its local result and whether a synced
@@ -696,10 +723,16 @@ impl Shared {
         };
         let deadline = tokio::time::Instant::now() + self.resource.peer_timeout;
         let mut flushed = Vec::new();
+        let mut lost_peer = false;
         for (conn, wait) in waits {
             if self.await_peer(&conn, wait, "flush", deadline).await {
                 flushed.push(conn);
+            } else {
+                lost_peer = true;
             }
+        }
+        if lost_peer {
+            self.check_degraded_is_recorded("flush", 0, 0)?;
         }
         let flushed_by_synced_peer = flushed.iter().any(|c| c.synced.load(Ordering::Acquire));
         let local = self.local_outcome("flush", 0, 0, detached, local, flushed_by_synced_peer);

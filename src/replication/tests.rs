@@ -316,6 +316,40 @@ async fn a_secondary_finishes_the_writes_it_was_applying_when_the_link_goes() {
     assert_eq!(disk.abandoned.load(Ordering::Acquire), 0);
 }
 
+/// A write waiting for a peer that is lost is acknowledged degraded only if the metadata
+/// recorded the loss (new generation, bits): when that update fails, the write fails.
+/// Acknowledged, it would be missing on the peer with nothing on disk saying so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_is_not_acknowledged_degraded_when_the_loss_cannot_be_recorded() {
+    let disk = GatedDisk::new();
+    let primary_disk = Arc::new(MemoryBackend::new(SIZE, false));
+    let secondary_disk = Arc::clone(&disk) as Arc<dyn Backend>;
+    let pair = cluster("C", 2, primary_disk, "1G", 2, Some(secondary_disk)).await;
+    let backend = pair.primary_backend();
+    // The extent enters the activity log, so the next write needs no metadata write.
+    backend
+        .write(0, pattern(1, 4096).into(), false)
+        .await
+        .unwrap();
+    disk.open.send_replace(false);
+    pair.primary.meta().refuse_writes();
+    let write = tokio::spawn(async move { backend.write(0, pattern(2, 4096).into(), false).await });
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while disk.waiting.load(Ordering::Acquire) == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the write reaches the secondary's disk");
+    pair.primary.drop_connections();
+    let result = write.await.unwrap();
+    let error = result.expect_err("acknowledged without the peer, the loss unrecorded");
+    assert_eq!(error.errno, NbdError::Io);
+    assert!(error.to_string().contains("could not record"), "{error}");
+    disk.open.send_replace(true);
+    let _ = pair.stop.send(true);
+}
+
 /// A pair under `protocol` whose primary's disk is a [`FaultyDisk`], and that disk.
 async fn pair_on_a_faulty_disk(protocol: &str) -> (Arc<FaultyDisk>, Pair) {
     let disk = FaultyDisk::new();

@@ -1196,10 +1196,8 @@ impl Shared {
     }
 
     /// Marks this node's data as being overwritten by a resync.
-    pub fn begin_resync_target(&self) {
-        if let Err(e) = self.meta().update(|sb| sb.disk = DiskState::Inconsistent) {
-            warn!("metadata: {e}");
-        }
+    pub fn begin_resync_target(&self) -> Result<(), MetaError> {
+        self.meta().update(|sb| sb.disk = DiskState::Inconsistent)
     }
 }
 

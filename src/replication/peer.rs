@@ -489,8 +489,13 @@ async fn run_connection(
         Plan::Target => {
             // Older data is overwritten region by region: unusable alone until the end.
             // With the same generation this node's data stays consistent meanwhile.
+            // Unrecorded, a crash mid-resync would leave a half-overwritten disk that
+            // its superblock calls up to date: no resync then.
             if decision != SyncDecision::InSync {
-                shared.begin_resync_target();
+                if let Err(e) = shared.begin_resync_target() {
+                    warn!(peer = %hello.node, "cannot record this disk as inconsistent before the resync ({e}): dropping the link");
+                    conn.close();
+                }
             }
             // What this node itself may have different (its logged extents after a crash
             // as primary, for one) must be resynced too; a disk marked inconsistent with

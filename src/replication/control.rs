@@ -14,7 +14,7 @@ use tracing::{info, warn};
 use super::layer::Shared;
 use super::meta::REGION_SIZE;
 use super::peer::{Plan, WaitKey};
-use super::wire::Message;
+use super::wire::{DiskState, Message, Role};
 use crate::control::Reply;
 
 /// A node's state as `netblk status` shows it.
@@ -152,6 +152,24 @@ impl Shared {
 
     /// Ends every peer connection; the dialling side reconnects and both sides run
     /// the hello checks again with their new roles.
+    /// After a promotion: tells every connected peer this node is primary now (so a
+    /// promote there in the reconnect gap is refused), then drops the links so they
+    /// reconnect with the new role.
+    pub fn announce_primary_and_reconnect(&self) {
+        let generations = self.meta().superblock().generations;
+        for slot in &self.peers {
+            let conn = slot.conn.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            if let Some(conn) = conn {
+                conn.send(Message::State {
+                    role: Role::Primary,
+                    disk: DiskState::UpToDate,
+                    generations,
+                });
+            }
+        }
+        self.drop_connections();
+    }
+
     pub fn drop_connections(&self) {
         for slot in &self.peers {
             let conn = slot.conn.lock().unwrap_or_else(|e| e.into_inner()).clone();
@@ -263,18 +281,8 @@ async fn answer(shared: &Shared, request: &str) -> Reply {
         ["status"] => done(Ok(String::new())),
         ["promote"] | ["promote", "--force"] => {
             let force = words.len() == 2;
-            let peer_primary = shared.peers.iter().find(|slot| {
-                let conn = slot.conn.lock().unwrap_or_else(|e| e.into_inner());
-                conn.as_ref().is_some_and(|c| c.plan == Plan::Target)
-            });
-            if let Some(slot) = peer_primary {
-                return done(Err(format!(
-                    "peer {} is primary: demote it first",
-                    slot.config.name
-                )));
-            }
             let result = shared.promote(force).map(|()| {
-                shared.drop_connections();
+                shared.announce_primary_and_reconnect();
                 "promoted to primary".to_string()
             });
             done(result)

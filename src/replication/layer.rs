@@ -93,6 +93,10 @@ pub struct PeerSlot {
     pub resync_sent: AtomicU64,
     /// When the current (or last) pass started, and when it ended: for rate and ETA.
     pub resync_clock: Mutex<Option<(std::time::Instant, Option<std::time::Instant>)>>,
+    /// The peer said it became primary (then dropped the link to reconnect in its new
+    /// role) and has not said hello since: while set, promoting this node needs force,
+    /// or a promote in the reconnect gap would make two primaries.
+    pub announced_primary: AtomicBool,
 }
 
 /// State shared by the backend, the peer connections and the control socket.
@@ -153,6 +157,7 @@ impl Shared {
                 resync_total: AtomicU64::new(0),
                 resync_sent: AtomicU64::new(0),
                 resync_clock: Mutex::new(None),
+                announced_primary: AtomicBool::new(false),
             })
             .collect();
         Ok(Arc::new(Shared {
@@ -204,6 +209,24 @@ impl Shared {
         let sb = meta.superblock().clone();
         if self.is_primary() {
             return Ok(());
+        }
+        // Under the metadata lock, as `install`: a primary's hello is either installed
+        // before this check (and refuses it) or refused by `install` after it.
+        for slot in &self.peers {
+            let conn = slot.conn.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            if conn.as_ref().is_some_and(|c| c.plan == Plan::Target) {
+                return Err(format!(
+                    "peer {} is primary: demote it first",
+                    slot.config.name
+                ));
+            }
+            if !force && slot.announced_primary.load(Ordering::Acquire) {
+                return Err(format!(
+                    "peer {} announced it became primary and has not reconnected since; \
+                     if it is down, use --force",
+                    slot.config.name
+                ));
+            }
         }
         if !force {
             for slot in &self.peers {
@@ -407,6 +430,15 @@ impl Shared {
         if current.is_some() {
             return Err(format!("{} is already connected", slot.config.name));
         }
+        if plan == Plan::Target && self.is_primary() {
+            // Its hello was checked before this node's promotion took the lock.
+            return Err(format!(
+                "{} is primary and so is this node now",
+                slot.config.name
+            ));
+        }
+        // Its hello says its role from now on.
+        slot.announced_primary.store(false, Ordering::Release);
         if let Plan::Source { full } = plan {
             if !self.is_primary() {
                 return Err("this node stopped being primary".into());

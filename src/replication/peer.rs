@@ -865,6 +865,12 @@ async fn handle<'a>(
                 .peer_generations
                 .lock()
                 .unwrap_or_else(|e| e.into_inner()) = generations;
+            if role == Role::Primary && conn.plan != Plan::Target {
+                // It was promoted and is about to reconnect as primary.
+                if let Some(slot) = shared.slot_named(&conn.peer) {
+                    slot.announced_primary.store(true, Ordering::Release);
+                }
+            }
             if role == Role::Primary && disk == DiskState::UpToDate && conn.plan == Plan::Target {
                 // Everything sent before this was applied in order on this connection
                 // only if the applies finished: wait for them, then adopt.

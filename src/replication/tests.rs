@@ -493,9 +493,15 @@ async fn a_local_write_error_the_peer_applied_detaches_the_disk_and_the_peer_ser
 
     // The way back: demote, replace the disk, promote the peer.
     pair.primary.demote().await.unwrap();
+    // As `netblk demote` and `netblk promote` do.
+    pair.primary.drop_connections();
+    wait_until("beta sees alpha as a secondary", || {
+        pair.secondary.status().peers[0].link == "idle"
+    })
+    .await;
     disk.failing.store(false, Ordering::Release);
     pair.secondary.promote(false).unwrap();
-    pair.secondary.drop_connections();
+    pair.secondary.announce_primary_and_reconnect();
     wait_until("alpha is resynced from beta and up to date", || {
         pair.primary.status().disk == "UpToDate"
     })
@@ -863,6 +869,38 @@ async fn losing_a_second_peer_starts_a_new_generation_so_a_later_split_brain_sho
     let _ = nodes.stop.send(true);
 }
 
+/// Promoting beta drops its links so they reconnect in the new role; in that gap alpha
+/// sees no peer at all. Beta's announcement must still keep alpha from being promoted
+/// too (two primaries, each taking writes), until beta says hello again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_promote_in_the_reconnect_gap_after_a_peers_promote_is_refused() {
+    let pair = pair("C", Arc::new(MemoryBackend::new(SIZE, false))).await;
+    let (alpha, beta) = (&pair.primary, &pair.secondary);
+    alpha.demote().await.unwrap();
+    alpha.drop_connections();
+    wait_until("both secondaries, connected again", || {
+        alpha.status().peers[0].link == "idle" && beta.status().peers[0].link == "idle"
+    })
+    .await;
+    beta.promote(false).unwrap();
+    beta.announce_primary_and_reconnect();
+    wait_until("alpha sees the link go", || {
+        !alpha.status().peers[0].connected
+    })
+    .await;
+    let refused = alpha.promote(false).expect_err("two primaries");
+    assert!(refused.contains("announced it became primary"), "{refused}");
+    assert!(!alpha.is_primary());
+    // Once beta is back as primary, even force is refused.
+    wait_until("beta reconnects as primary", || {
+        alpha.status().peers[0].link == "target"
+    })
+    .await;
+    let refused = alpha.promote(true).expect_err("two primaries");
+    assert!(refused.contains("demote it first"), "{refused}");
+    let _ = pair.stop.send(true);
+}
+
 #[tokio::test(flavor = "current_thread")]
 async fn the_layer_also_runs_on_a_current_thread_runtime() {
     // Metadata updates must not rely on block_in_place, which panics here.
@@ -992,7 +1030,7 @@ async fn after_a_failover_a_write_only_one_secondary_got_is_resynced_to_the_othe
     .expect("the secondaries notice the primary is gone");
     beta.promote(false).unwrap();
     // As `netblk promote` does: the peers reconnect, and gamma finds beta primary.
-    beta.drop_connections();
+    beta.announce_primary_and_reconnect();
     tokio::time::timeout(Duration::from_secs(20), async {
         loop {
             let status = beta.status();

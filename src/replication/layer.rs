@@ -1445,7 +1445,7 @@ impl Drop for RangeGuard<'_> {
 /// huge TRIM or WRITE_ZEROES (mkfs discards a whole device in one request) is applied as
 /// extent-aligned pieces, each of which can enter the log, instead of waiting forever for
 /// more log slots than exist.
-const MAX_PIECE: u64 = (AL_SLOTS as u64 / 4) * EXTENT_SIZE;
+pub(crate) const MAX_PIECE: u64 = (AL_SLOTS as u64 / 4) * EXTENT_SIZE;
 
 /// Splits `offset..offset+length` into extent-aligned pieces of at most [`MAX_PIECE`].
 fn pieces(offset: u64, length: u64) -> impl Iterator<Item = (u64, u64)> {

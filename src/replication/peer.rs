@@ -622,6 +622,19 @@ fn errno_of(result: &Result<(), crate::backend::BackendError>) -> u32 {
     }
 }
 
+/// A primary splits trims and zeroing into pieces the activity log can hold at once
+/// ([`super::layer::MAX_PIECE`]); a longer one could never enter this node's log, and
+/// waiting for room would hold the connection for ever.
+fn too_long_for_the_log(what: &str, length: u64) -> Result<(), String> {
+    if length > super::layer::MAX_PIECE {
+        return Err(format!(
+            "a {what} of {length} bytes is longer than a primary sends ({} at most)",
+            super::layer::MAX_PIECE
+        ));
+    }
+    Ok(())
+}
+
 fn in_range(size: u64, offset: u64, length: u64) -> bool {
     offset.checked_add(length).is_some_and(|end| end <= size)
 }
@@ -690,6 +703,7 @@ async fn handle<'a>(
             flags,
         } => {
             must_be_target("a trim")?;
+            too_long_for_the_log("trim", length)?;
             if shared.resource.protocol == Protocol::B {
                 conn.send(Message::Received { seq });
             }
@@ -717,6 +731,7 @@ async fn handle<'a>(
             flags,
         } => {
             must_be_target("a zero")?;
+            too_long_for_the_log("zero", length)?;
             if shared.resource.protocol == Protocol::B {
                 conn.send(Message::Received { seq });
             }
@@ -983,6 +998,18 @@ mod tests {
             flags: 0,
             data: Bytes::from(vec![0; len]),
         }
+    }
+
+    #[test]
+    fn trims_and_zeroing_longer_than_a_primary_sends_end_the_connection() {
+        use crate::replication::layer::MAX_PIECE;
+        use crate::replication::meta::{AL_SLOTS, EXTENT_SIZE};
+        // What a primary sends always fits this node's activity log at once...
+        assert!(MAX_PIECE.div_ceil(EXTENT_SIZE) < AL_SLOTS as u64);
+        assert!(too_long_for_the_log("trim", MAX_PIECE).is_ok());
+        // ...and anything longer is refused instead of waiting for room for ever.
+        let e = too_long_for_the_log("trim", 2 << 30).unwrap_err();
+        assert!(e.contains("longer than a primary sends"), "{e}");
     }
 
     #[test]

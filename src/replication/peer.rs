@@ -784,6 +784,9 @@ async fn handle<'a>(
             }));
         }
         Message::ReadRequest { id, offset, length } => {
+            // Only a primary reads from its peers (healing, verify); from anyone else
+            // each 25-byte request would pin up to 32 MiB of this node's memory.
+            must_be_target("a read request")?;
             let fits = in_range(size, offset, u64::from(length));
             applying.push(backend_future(async move {
                 let result = if fits {
@@ -850,6 +853,9 @@ async fn handle<'a>(
             }));
         }
         Message::ChecksumRequest { id, offset, length } => {
+            // Only a primary reads from its peers (healing, verify); from anyone else
+            // each 25-byte request would pin up to 32 MiB of this node's memory.
+            must_be_target("a checksum request")?;
             let fits = in_range(size, offset, u64::from(length));
             applying.push(backend_future(async move {
                 let result = if fits {
@@ -921,7 +927,11 @@ async fn handle<'a>(
             // everywhere covers every earlier one too.
             let generation = {
                 let mut barriers = conn.barriers.lock().unwrap_or_else(|e| e.into_inner());
-                let later = barriers.split_off(&(epoch + 1));
+                // Epochs come from the peer: u64::MAX must not overflow here.
+                let later = match epoch.checked_add(1) {
+                    Some(next) => barriers.split_off(&next),
+                    None => Default::default(),
+                };
                 let done = std::mem::replace(&mut *barriers, later);
                 done.get(&epoch).copied()
             };

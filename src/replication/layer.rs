@@ -582,6 +582,11 @@ impl Shared {
             return Err(BackendError::plain(op, offset, length, NbdError::Perm));
         }
         let _range = self.ranges.lock(offset, length.max(1)).await;
+        // Again: a demotion may have begun while this waited for an overlapping write,
+        // and found the ranges idle in the moment between that write and this one.
+        if !self.is_primary() {
+            return Err(BackendError::plain(op, offset, length, NbdError::Perm));
+        }
         self.activate(offset, length).await?;
         let result = self
             .replicate_locked(op, offset, length, local, message)

@@ -48,6 +48,10 @@ pub(crate) use warn_limited;
 /// Warnings about failed requests (backend errors answered to a client), server-wide.
 pub static FAILED_REQUESTS: LogLimit = LogLimit::new();
 
+/// Warnings about requests and options refused as invalid (a client's mistakes, which a
+/// broken or hostile client can send as fast as the socket carries them), server-wide.
+pub static REFUSED_REQUESTS: LogLimit = LogLimit::new();
+
 impl LogLimit {
     pub const fn new() -> LogLimit {
         LogLimit {

@@ -369,6 +369,32 @@ fn rule2_unknown_commands_and_bad_flags_are_einval_and_the_connection_goes_on() 
 /// contexts (including when this command fails)"), so BLOCK_STATUS afterwards has no
 /// context and is EINVAL.
 #[test]
+fn rule2_a_flood_of_refused_requests_is_answered_but_barely_logged() {
+    let server = Server::start(&["memory:1M"]);
+    let mut raw = Raw::session(server.tcp(), Mode::Simple);
+    let count = 2000;
+    for cookie in 0..count {
+        raw.request(99, 0, cookie, 0, 0, &[]);
+    }
+    for cookie in 0..count {
+        expect_error(&mut raw, cookie, 0, EINVAL, "unknown command 99");
+    }
+    assert_usable(&mut raw, 0, 1);
+    // The next window's first warning counts those left out.
+    std::thread::sleep(Duration::from_millis(1100));
+    raw.request(99, 0, count, 0, 0, &[]);
+    expect_error(&mut raw, count, 0, EINVAL, "unknown command 99");
+    let log = server.stderr();
+    let lines = log.matches("refused request").count();
+    // Ten a second pass; the run takes well under a few seconds.
+    assert!(
+        (1..=40).contains(&lines),
+        "{lines} lines for {count} refused requests"
+    );
+    assert!(log.contains("suppressed"), "{log}");
+}
+
+#[test]
 fn rule2_a_malformed_set_meta_context_also_clears_the_selection() {
     let server = Server::start(&["memory:64M"]);
     let mut raw = Raw::hello(server.tcp());

@@ -4,9 +4,10 @@
 use std::sync::Arc;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tracing::{debug, warn};
+use tracing::debug;
 
 use super::Export;
+use crate::log_limit::{warn_limited, REFUSED_REQUESTS};
 use crate::wire::handshake::{
     encode_export_name_reply, encode_greeting, ClientOption, HandshakeError, InfoRequest,
     MetaContextRequest, OptionHeader, OptionReply, OPTION_HEADER_LEN,
@@ -310,7 +311,7 @@ where
                 return Err(NegotiationEnd::BadExportName(e.reason.to_string()))
             }
             Err(e) => {
-                warn!("malformed option: {e}");
+                warn_limited!(REFUSED_REQUESTS, "malformed option: {e}");
                 if header.option == crate::wire::opt::SET_META_CONTEXT {
                     // The spec: SET_META_CONTEXT replaces the selection even when it fails.
                     haggle.meta = None;

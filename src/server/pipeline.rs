@@ -60,7 +60,7 @@ use crate::backend::splice::Spliced;
 use crate::backend::{Backend, BackendError, Pieces, ReadData, WriteData, ZeroFlags};
 use crate::buffer::{Buffer, MIN_POOLED};
 use crate::idle::Idle;
-use crate::log_limit::{warn_limited, FAILED_REQUESTS};
+use crate::log_limit::{warn_limited, FAILED_REQUESTS, REFUSED_REQUESTS};
 use crate::wire::transmission::{ReplyEncoder, ReplyStyle, RequestHeader, RequestStyle};
 use crate::wire::{cmd, NbdError, BASE_ALLOCATION_ID, MAX_PAYLOAD};
 
@@ -546,7 +546,8 @@ impl Pipeline {
     }
 
     fn queue_error(&mut self, header: &RequestHeader, error: NbdError) {
-        warn!(
+        warn_limited!(
+            REFUSED_REQUESTS,
             command = header.command,
             flags = header.flags,
             offset = header.offset,

@@ -10,7 +10,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader as AsyncBufReader};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader as AsyncBufReader};
 use tokio::net::UnixListener;
 use tokio::sync::watch;
 
@@ -78,22 +78,59 @@ pub async fn serve<F, A>(
             _ = stop.wait_for(|s| *s) => break,
             accepted = listener.accept() => accepted,
         };
-        let Ok((stream, _)) = accepted else { continue };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // Out of descriptors, most likely: retrying at once would spin.
+                tracing::debug!("control socket accept: {e}");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            }
+        };
         let answer = answer.clone();
         tokio::spawn(async move {
             let (read, mut write) = stream.into_split();
-            let mut line = String::new();
-            let mut reader = AsyncBufReader::new(read);
-            if reader.read_line(&mut line).await.is_err() {
+            let Some(line) = read_request_line(read).await else {
                 return;
-            }
-            let reply = answer(line.trim().to_string()).await;
+            };
+            let reply = match line {
+                Ok(line) => answer(line.trim().to_string()).await,
+                Err(why) => Reply {
+                    ok: false,
+                    message: why,
+                    status: None,
+                    server: None,
+                },
+            };
             let mut text = serde_json::to_string(&reply).expect("serializable reply");
             text.push('\n');
             let _ = write.write_all(text.as_bytes()).await;
         });
     }
     let _ = std::fs::remove_file(&path);
+}
+
+/// The longest request line the control socket reads; requests are a few words.
+const MAX_REQUEST_LINE: u64 = 4096;
+/// How long a control client may take to send its request line.
+const REQUEST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// One request line, read within [`REQUEST_TIMEOUT`] and [`MAX_REQUEST_LINE`] bytes:
+/// `None` when the client sent nothing usable in time (the connection is just closed),
+/// `Some(Err)` for a line too long or not UTF-8 (answered with the reason).
+async fn read_request_line(
+    read: tokio::net::unix::OwnedReadHalf,
+) -> Option<Result<String, String>> {
+    let mut reader = AsyncBufReader::new(read.take(MAX_REQUEST_LINE + 1));
+    let mut line = Vec::new();
+    match tokio::time::timeout(REQUEST_TIMEOUT, reader.read_until(b'\n', &mut line)).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(_)) | Err(_) => return None,
+    }
+    if line.len() as u64 > MAX_REQUEST_LINE {
+        return Some(Err(format!("request longer than {MAX_REQUEST_LINE} bytes")));
+    }
+    Some(String::from_utf8(line).map_err(|_| "request is not UTF-8".to_string()))
 }
 
 /// Errors of the control client.
@@ -187,6 +224,46 @@ pub fn render_server(status: &ServerStatus) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn an_overlong_request_is_refused_without_reading_it_all() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ctl");
+        let listener = bind(&path).unwrap();
+        let (stop, stop_rx) = watch::channel(false);
+        let served = tokio::spawn(serve(listener, path.clone(), stop_rx, |line| async move {
+            Reply {
+                ok: true,
+                message: line,
+                status: None,
+                server: None,
+            }
+        }));
+        let asking = path.clone();
+        let replies = tokio::task::spawn_blocking(move || {
+            let normal = request(&asking, "status").unwrap();
+            // 64 MiB and no newline: the server stops after 4 KiB and says why.
+            let mut stream = std::os::unix::net::UnixStream::connect(&asking).unwrap();
+            let chunk = vec![b'x'; 1 << 20];
+            for _ in 0..64 {
+                if stream.write_all(&chunk).is_err() {
+                    break; // the server answered and closed
+                }
+            }
+            let mut reply = String::new();
+            let _ = BufReader::new(stream).read_line(&mut reply);
+            (normal, reply)
+        })
+        .await
+        .unwrap();
+        assert!(replies.0.ok && replies.0.message == "status");
+        let refused: Reply = serde_json::from_str(&replies.1).unwrap();
+        assert!(!refused.ok);
+        assert!(refused.message.contains("longer than 4096"), "{refused:?}");
+        stop.send(true).unwrap();
+        served.await.unwrap();
+        assert!(!path.exists());
+    }
 
     #[test]
     fn a_server_status_renders_its_exports_clients_and_failed_flushes() {

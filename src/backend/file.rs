@@ -667,9 +667,8 @@ fn errno(e: rustix::io::Errno) -> std::io::Error {
     std::io::Error::from_raw_os_error(e.raw_os_error())
 }
 
-/// Most runs one allocation query returns; a badly fragmented file is reported in parts
-/// (block status may cover less than was asked, and clients ask again from there).
-const MAX_RUNS: usize = 1 << 16;
+/// Most runs one allocation query returns (see [`super::MAX_EXTENTS`]).
+const MAX_RUNS: usize = super::MAX_EXTENTS;
 
 /// Where data and holes lie from `offset`, as (length, is_hole) runs covering at most
 /// `length` bytes and at least one byte (fewer than `length` past [`MAX_RUNS`] runs). One

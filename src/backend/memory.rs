@@ -201,15 +201,22 @@ impl MemoryBackend {
 
     fn extents_now(&self, offset: u64, length: u64) -> Vec<Extent> {
         let mut extents: Vec<Extent> = Vec::new();
+        let mut full = false;
         Self::for_each_piece(offset, length, |page, _, _, len| {
+            // Past the limit the rest is reported by a later query.
+            if full {
+                return;
+            }
             let present = self
                 .shard(page)
                 .read()
                 .unwrap_or_else(|e| e.into_inner())
                 .contains_key(&page);
             let hole = !present;
+            let count = extents.len();
             match extents.last_mut() {
                 Some(last) if last.hole == hole => last.length += len as u64,
+                _ if count == super::MAX_EXTENTS => full = true,
                 _ => extents.push(Extent {
                     length: len as u64,
                     hole,

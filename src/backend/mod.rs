@@ -245,6 +245,12 @@ impl Capabilities {
     }
 }
 
+/// Most extents one [`Backend::extents`] query returns: a badly fragmented range is
+/// reported in parts (a block-status reply may cover less than was asked, and clients
+/// ask again from where it ended). Bounds the work and memory of one query and the
+/// size of its reply.
+pub const MAX_EXTENTS: usize = 16 * 1024;
+
 /// A run of the export with one allocation state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Extent {

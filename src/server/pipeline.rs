@@ -92,6 +92,14 @@ pub const WRITE_PIECE: u32 = 1024 * 1024;
 const WRITE_AFTER_DATA: usize = 512 * 1024;
 /// A block-status query looks at most this far (keeps the reply small and 32-bit safe).
 const MAX_STATUS_SPAN: u64 = (1 << 32) - (1 << 16);
+/// A block-status reply describes at most this many extents (the spec lets it cover less
+/// than asked), so its size is known when the request is admitted.
+const MAX_STATUS_DESCRIPTORS: usize = crate::backend::MAX_EXTENTS;
+/// What a block-status request takes from the byte budget until its reply is sent: the
+/// largest reply (extended descriptors are 16 bytes, plus the chunk headers). A file of
+/// alternating holes answered 512 KiB to 1 MiB a reply, and uncounted replies grew one
+/// connection to gigabytes.
+const STATUS_REPLY_BUDGET: u64 = 64 + 16 * MAX_STATUS_DESCRIPTORS as u64;
 /// Free room kept in the read buffer before each socket read.
 const READ_ROOM: usize = 256 * 1024;
 /// Most bytes read into the read buffer at once after a request with a payload of
@@ -1077,9 +1085,12 @@ impl Pipeline {
                 offset,
                 length,
                 req_one,
-            } => self.in_flight.push(async move {
-                Finished::from(block_status(&*backend, enc, offset, length, req_one).await)
-            }),
+            } => {
+                self.held += STATUS_REPLY_BUDGET;
+                self.in_flight.push(async move {
+                    Finished::from(block_status(&*backend, enc, offset, length, req_one).await)
+                })
+            }
             Command::Disconnect => unreachable!("the parser handles NBD_CMD_DISC"),
         }
     }
@@ -1841,12 +1852,12 @@ async fn block_status(
     let span = length.min(MAX_STATUS_SPAN);
     let extents = match backend.extents(offset, span).await {
         Ok(extents) => extents,
-        Err(e) => return error_reply(enc, &e, 0),
+        Err(e) => return error_reply(enc, &e, STATUS_REPLY_BUDGET),
     };
     let mut descriptors: Vec<(u64, u32)> = Vec::with_capacity(extents.len().min(1024));
     let mut covered = 0u64;
     for extent in extents {
-        if covered >= span || extent.length == 0 {
+        if covered >= span || extent.length == 0 || descriptors.len() == MAX_STATUS_DESCRIPTORS {
             break;
         }
         let len = extent.length.min(span - covered);
@@ -1861,7 +1872,8 @@ async fn block_status(
     }
     let mut header = ReplyHeader::with_capacity(40 + 16 * descriptors.len());
     enc.block_status(&mut header, BASE_ALLOCATION_ID, &descriptors, true);
-    smallvec![Outgoing::new(header, None, 0)]
+    debug_assert!(header.len() as u64 <= STATUS_REPLY_BUDGET);
+    smallvec![Outgoing::new(header, None, STATUS_REPLY_BUDGET)]
 }
 
 #[cfg(test)]
@@ -2109,6 +2121,70 @@ mod tests {
             length: u64,
         ) -> crate::backend::BackendFuture<'_, Vec<crate::backend::Extent>> {
             self.inner.extents(offset, length)
+        }
+    }
+
+    /// A disk of alternating 4 KiB data and holes: as many extents as a query can hold.
+    struct Fragmented {
+        inner: MemoryBackend,
+    }
+
+    impl Backend for Fragmented {
+        crate::backend::pass_to_inner!(
+            size,
+            capabilities,
+            read,
+            write,
+            flush,
+            trim,
+            write_zeroes,
+            cache
+        );
+        fn extents(
+            &self,
+            _offset: u64,
+            length: u64,
+        ) -> crate::backend::BackendFuture<'_, Vec<crate::backend::Extent>> {
+            let extents = (0..length / 4096)
+                .map(|i| crate::backend::Extent {
+                    length: 4096,
+                    hole: i % 2 == 1,
+                    zero: i % 2 == 1,
+                })
+                .collect();
+            backend_future(std::future::ready(Ok(extents)))
+        }
+    }
+
+    #[tokio::test]
+    async fn a_block_status_reply_is_capped_and_charged_to_the_byte_budget() {
+        let backend = Fragmented {
+            inner: MemoryBackend::new(1 << 30, false),
+        };
+        for style in [ReplyStyle::Structured, ReplyStyle::Extended] {
+            let enc = ReplyEncoder {
+                style,
+                cookie: 1,
+                offset: 0,
+            };
+            let replies = block_status(&backend, enc, 0, 1 << 30, false).await;
+            let [reply] = &replies[..] else {
+                panic!("one reply chunk")
+            };
+            // Charged at admission and given back when sent: the largest reply.
+            assert_eq!(reply.release, STATUS_REPLY_BUDGET);
+            assert!(reply.header.len() as u64 <= STATUS_REPLY_BUDGET);
+            let (decoded, _) = DecodedReply::decode(&reply.header).unwrap().unwrap();
+            let DecodedReply::Chunk { payload_len, .. } = decoded else {
+                panic!("a chunk")
+            };
+            let per_descriptor = if style == ReplyStyle::Extended { 16 } else { 8 };
+            let header = if style == ReplyStyle::Extended { 8 } else { 4 };
+            // 262,144 extents asked about; the reply stops at the cap.
+            assert_eq!(
+                payload_len,
+                header + per_descriptor * MAX_STATUS_DESCRIPTORS as u64
+            );
         }
     }
 

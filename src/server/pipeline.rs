@@ -100,6 +100,9 @@ const MAX_STATUS_DESCRIPTORS: usize = crate::backend::MAX_EXTENTS;
 /// alternating holes answered 512 KiB to 1 MiB a reply, and uncounted replies grew one
 /// connection to gigabytes.
 const STATUS_REPLY_BUDGET: u64 = 64 + 16 * MAX_STATUS_DESCRIPTORS as u64;
+/// How long a stopping server waits for a client to read the replies to the requests it
+/// sent before the stop; then the connection is closed (its requests still finish).
+const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 /// Free room kept in the read buffer before each socket read.
 const READ_ROOM: usize = 256 * 1024;
 /// Most bytes read into the read buffer at once after a request with a payload of
@@ -335,11 +338,29 @@ pub async fn run<S: Stream>(
         on_device,
         after_large_payload: false,
     };
+    let mut drain_deadline = stop.clone();
     let mut stopped = Box::pin(async move {
         let _ = stop.wait_for(|s| *s).await;
     });
-    let result =
-        std::future::poll_fn(|cx| pipeline.poll(cx, Pin::new(&mut stream), stopped.as_mut())).await;
+    let served =
+        std::future::poll_fn(|cx| pipeline.poll(cx, Pin::new(&mut stream), stopped.as_mut()));
+    // A client that does not read its replies would hold the server's stop (and its final
+    // flush) for ever.
+    let cut_off = async {
+        let _ = drain_deadline.wait_for(|s| *s).await;
+        tokio::time::sleep(DRAIN_TIMEOUT).await;
+    };
+    let result = tokio::select! {
+        result = served => result,
+        () = cut_off => {
+            let why = format!(
+                "the client did not read its replies within {DRAIN_TIMEOUT:?} of the server \
+                 stopping: closing the connection"
+            );
+            warn!("{why}");
+            Err(std::io::Error::new(std::io::ErrorKind::TimedOut, why))
+        }
+    };
     match result {
         Ok(()) => debug!("{}", pipeline.ending),
         Err(e) => {
@@ -2854,10 +2875,32 @@ mod tests {
     /// [`serve_and_negotiate`], with structured replies or without (simple replies).
     async fn serve_and_negotiate_as<C, S>(
         backend: Arc<dyn Backend>,
-        mut client: C,
+        client: C,
         server: S,
         structured: bool,
     ) -> C
+    where
+        C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+        S: Stream,
+    {
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let (client, served) = serve_stoppable(backend, client, server, structured, stop_rx).await;
+        tokio::spawn(async move {
+            let _keep = stop_tx;
+            let _ = served.await;
+        });
+        client
+    }
+
+    /// [`serve_and_negotiate_as`], the server stopping when `stop` turns true; also
+    /// answers the connection's task.
+    async fn serve_stoppable<C, S>(
+        backend: Arc<dyn Backend>,
+        mut client: C,
+        server: S,
+        structured: bool,
+        stop_rx: watch::Receiver<bool>,
+    ) -> (C, tokio::task::JoinHandle<()>)
     where
         C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
         S: Stream,
@@ -2874,12 +2917,8 @@ mod tests {
             tcp: crate::tcp::TcpSettings::default(),
             clients: Default::default(),
         });
-        let (_stop_tx, stop_rx) = watch::channel(false);
         let (alive_tx, _alive_rx) = tokio::sync::mpsc::channel(1);
-        tokio::spawn(async move {
-            let _keep = _stop_tx;
-            handle_connection(server, config, stop_rx, alive_tx).await
-        });
+        let served = tokio::spawn(handle_connection(server, config, stop_rx, alive_tx));
         let mut greeting = [0u8; 18];
         client.read_exact(&mut greeting).await.unwrap();
         let mut hello = (client_flags::FIXED_NEWSTYLE | client_flags::NO_ZEROES)
@@ -2909,7 +2948,7 @@ mod tests {
                 }
             }
         }
-        client
+        (client, served)
     }
 
     /// Reads the next reply chunk: its flags, type, cookie and payload. The success of a
@@ -3541,6 +3580,36 @@ mod tests {
         // The pipe holds 1 MiB each way; the server must have stopped well before
         // queueing replies without limit.
         assert!(sent < 300_000, "{sent} requests were read");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_does_not_read_is_cut_off_some_time_after_the_stop() {
+        let (client, server) = tokio::io::duplex(1 << 16);
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let backend = Arc::new(MemoryBackend::new(64 << 20, false));
+        // Simple replies: the holes of the fresh export go out as data, not as hole chunks.
+        let (mut client, served) = serve_stoppable(backend, client, server, false, stop_rx).await;
+        // Four 1 MiB reads whose replies the 64 KiB pipe cannot take.
+        for cookie in 0..4 {
+            client
+                .write_all(&request(cmd::READ, 0, cookie, 0, 1 << 20))
+                .await
+                .unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(!served.is_finished(), "the connection waits for its client");
+        stop_tx.send(true).unwrap();
+        let stopped_at = tokio::time::Instant::now();
+        tokio::time::timeout(DRAIN_TIMEOUT * 2, served)
+            .await
+            .expect("the connection ends without its client reading")
+            .unwrap();
+        assert!(
+            stopped_at.elapsed() >= DRAIN_TIMEOUT,
+            "{:?}",
+            stopped_at.elapsed()
+        );
+        drop(client);
     }
 
     #[tokio::test]

@@ -253,6 +253,15 @@ impl Metadata {
         metadata.write_superblock()?;
         metadata.write_superblock()?;
         metadata.write_activity_log()?;
+        // The new name must survive a power cut too, or the next start would create fresh
+        // metadata over data this node already took writes into.
+        let directory = match path.parent() {
+            Some(parent) if !parent.as_os_str().is_empty() => parent,
+            _ => Path::new("."),
+        };
+        File::open(directory)
+            .and_then(|d| d.sync_all())
+            .map_err(io_err(directory, "syncing the directory of"))?;
         Ok(metadata)
     }
 
@@ -295,7 +304,21 @@ impl Metadata {
                 }
             }
         }
-        let (al_seq, al_extents) = al.unwrap_or_default();
+        let (al_seq, mut al_extents) = al.unwrap_or_default();
+        // Only a damaged file names extents past the end (whose offsets could overflow).
+        let size = superblock.size;
+        al_extents.retain(|extent| {
+            let inside = extent
+                .checked_mul(EXTENT_SIZE)
+                .is_some_and(|offset| offset < size);
+            if !inside {
+                tracing::warn!(
+                    "metadata {}: activity log names extent {extent}, past the end: ignored",
+                    path.display()
+                );
+            }
+            inside
+        });
         let regions = superblock.size.div_ceil(REGION_SIZE);
         let bitmap_bytes = bitmap_bytes(regions);
         let words = regions.div_ceil(64) as usize;
@@ -304,11 +327,26 @@ impl Metadata {
             let mut raw = vec![0u8; words * 8];
             file.read_exact_at(&mut raw, BITMAP_OFFSET + peer * bitmap_bytes)
                 .map_err(io_err(path, "reading the bitmap"))?;
-            bitmaps.push(
-                raw.chunks_exact(8)
-                    .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
-                    .collect(),
-            );
+            let mut bitmap: Vec<u64> = raw
+                .chunks_exact(8)
+                .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
+                .collect();
+            // Bits past the last region (only a damaged file has them) would count as out
+            // of sync for ever, as no resync visits them, and keep the bitmap generation
+            // open.
+            if regions % 64 != 0 {
+                if let Some(last) = bitmap.last_mut() {
+                    let past_the_end = *last & !((1u64 << (regions % 64)) - 1);
+                    if past_the_end != 0 {
+                        tracing::warn!(
+                            "metadata {}: bitmap bits past the last region cleared",
+                            path.display()
+                        );
+                        *last &= !past_the_end;
+                    }
+                }
+            }
+            bitmaps.push(bitmap);
         }
         let was_clean = superblock.clean;
         let mut metadata = Metadata {
@@ -953,7 +991,8 @@ fn decode_activity_log(record: &[u8]) -> Option<(u64, Vec<u64>)> {
 mod tests {
     use super::*;
 
-    const SIZE: u64 = 1 << 30;
+    // 512 extents: room to fill the activity log (256) and more.
+    const SIZE: u64 = 2 << 30;
 
     fn peers() -> Vec<String> {
         vec!["beta".into(), "gamma".into()]
@@ -1102,6 +1141,37 @@ mod tests {
             assert!(metadata.is_out_of_sync(peer, EXTENT_SIZE / REGION_SIZE));
             assert!(metadata.is_out_of_sync(peer, 2 * EXTENT_SIZE / REGION_SIZE));
         }
+    }
+
+    #[test]
+    fn bits_past_the_last_region_and_extents_past_the_end_are_ignored() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m");
+        // 17 MiB: 272 regions, so the last bitmap word has 16 bits in use.
+        let size = 17 << 20;
+        let metadata = Metadata::create(&path, "alpha", "r0", &peers(), size).unwrap();
+        let regions = metadata.regions();
+        assert_eq!(regions % 64, 16);
+        drop(metadata);
+        let file = OpenOptions::new().write(true).open(&path).unwrap();
+        // Bit 287 of the first peer's bitmap: past region 271.
+        file.write_all_at(&[0x80], BITMAP_OFFSET + 35).unwrap();
+        drop(file);
+        let mut metadata = Metadata::open(&path).unwrap();
+        assert_eq!(metadata.out_of_sync_bytes(0), 0);
+        assert_eq!(metadata.out_of_sync_bytes_for_any(), 0);
+        // An unclean stop with a log record naming an extent far past the end (whose
+        // offset overflows): only extent 0 is marked.
+        metadata.set_clean(false).unwrap();
+        drop(metadata);
+        let record = encode_activity_log(1000, &[0, u64::MAX / 3]);
+        let file = OpenOptions::new().write(true).open(&path).unwrap();
+        file.write_all_at(&record, AL_OFFSET + (1000 % AL_RING) * RECORD_SIZE)
+            .unwrap();
+        drop(file);
+        let metadata = Metadata::open(&path).unwrap();
+        assert_eq!(metadata.logged_extents(), &[0]);
+        assert_eq!(metadata.out_of_sync_bytes(0), EXTENT_SIZE);
     }
 
     #[test]

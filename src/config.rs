@@ -63,6 +63,38 @@ pub struct ExportConfig {
     pub cache: Option<CacheMode>,
 }
 
+/// The largest export: NBD clients read the size as a signed 64-bit number (qemu showed
+/// 2^64 - 1 TiB as 0 bytes, libnbd as negative).
+pub const MAX_EXPORT_SIZE: u64 = i64::MAX as u64;
+
+impl ExportConfig {
+    /// What the protocol cannot carry: a name or description over 4096 bytes (the spec's
+    /// limit for strings; a longer one broke `nbdinfo --list` for every export of the
+    /// server) and a size past [`MAX_EXPORT_SIZE`]. Answers the field at fault and why.
+    pub fn check(&self) -> Result<(), (&'static str, String)> {
+        let limit = crate::wire::MAX_STRING_LEN;
+        if self.name.len() > limit {
+            return Err(("name", format!("longer than {limit} bytes")));
+        }
+        if self.description.len() > limit {
+            return Err(("description", format!("longer than {limit} bytes")));
+        }
+        let memory = match self.backing {
+            BackingSpec::Memory { size } => Some(size),
+            BackingSpec::Path(_) => None,
+        };
+        for (field, size) in [("size", self.size), ("backing", memory)] {
+            if size.is_some_and(|size| size > MAX_EXPORT_SIZE) {
+                return Err((
+                    field,
+                    format!("a size above {MAX_EXPORT_SIZE} bytes (2^63 - 1), which clients cannot read"),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A checked configuration.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
@@ -149,9 +181,6 @@ impl Config {
                     format!("export name {:?} is used twice", export.name),
                 ));
             }
-            if export.name.len() > crate::wire::MAX_STRING_LEN {
-                return Err(invalid(key("name"), "longer than 4096 bytes".into()));
-            }
             let backing =
                 BackingSpec::parse(&export.backing).map_err(|e| invalid(key("backing"), e))?;
             let size = match export.size {
@@ -165,14 +194,18 @@ impl Config {
                         .map_err(|e| invalid(key("cache"), e))
                 })
                 .transpose()?;
-            exports.push(ExportConfig {
+            let checked = ExportConfig {
                 name: export.name,
                 backing,
                 description: export.description,
                 read_only: export.read_only,
                 size,
                 cache,
-            });
+            };
+            checked
+                .check()
+                .map_err(|(field, why)| invalid(key(field), why))?;
+            exports.push(checked);
         }
         for (i, listen) in raw.listen.iter().enumerate() {
             crate::listen::ListenAddr::parse(listen)

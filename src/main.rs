@@ -274,6 +274,15 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
                 size,
                 cache: args.cache,
             };
+            export.check().map_err(|(field, why)| {
+                let option = match field {
+                    "backing" => "BACKING",
+                    "name" => "--name",
+                    "description" => "--description",
+                    _ => "--size",
+                };
+                anyhow::anyhow!("{option}: {why}")
+            })?;
             (vec![export], Vec::new(), None, None)
         }
     };

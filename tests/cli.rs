@@ -122,6 +122,56 @@ fn size_creates_a_sparse_file_and_never_resizes_an_existing_one() {
         64 << 20,
         "not truncated"
     );
+
+    // A file that could not be created as asked is not left behind.
+    let fresh = dir.path().join("fresh.img");
+    let f = fresh.to_str().unwrap();
+    for (args, why) in [
+        (&["--size", "0"][..], "above zero"),
+        (
+            &["--size", "1000", "--cache", "none"],
+            "whole number of 512-byte blocks",
+        ),
+        (&["--size", "8000T"], "sizing"),
+    ] {
+        let out = netblk(&[&["serve", "--listen", "127.0.0.1:0"][..], args, &[f]].concat());
+        assert!(!out.status.success(), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(why), "{args:?}: {err}");
+        assert!(!fresh.exists(), "{args:?} left the file behind");
+    }
+}
+
+#[test]
+fn what_the_protocol_cannot_carry_is_refused() {
+    let long = "x".repeat(4097);
+    for (args, why) in [
+        (
+            vec!["--name", &long, "memory:1M"],
+            "--name: longer than 4096",
+        ),
+        (
+            vec!["--description", &long, "memory:1M"],
+            "--description: longer than 4096",
+        ),
+        (vec!["memory:16777215T"], "BACKING: a size above"),
+    ] {
+        let out = netblk(&[&["serve", "--listen", "127.0.0.1:0"][..], &args].concat());
+        assert!(!out.status.success(), "{why}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(why), "{err}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("exports.toml");
+    std::fs::write(
+        &config,
+        format!("[[export]]\nname = \"a\"\nbacking = \"memory:1M\"\ndescription = \"{long}\"\n"),
+    )
+    .unwrap();
+    let out = netblk(&["serve", "--config", config.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("export[0].description"), "{err}");
 }
 
 #[test]

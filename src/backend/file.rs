@@ -227,15 +227,36 @@ impl FileBackend {
                     path.display()
                 );
             }
+            if size == 0 {
+                bail!("--size must be above zero to create {}", path.display());
+            }
             let file = OpenOptions::new()
                 .read(true)
                 .write(true)
                 .create_new(true)
                 .open(path)
                 .with_context(|| format!("creating {}", path.display()))?;
-            file.set_len(size)
-                .with_context(|| format!("sizing {} to {size} bytes", path.display()))?;
+            // From here a failure removes the file again: it was never served, and left
+            // behind it would make the next start's error about its size misleading.
+            let opened = file
+                .set_len(size)
+                .with_context(|| format!("sizing {} to {size} bytes", path.display()))
+                .and_then(|()| FileBackend::open_existing(path, Some(size), read_only, cache));
+            if opened.is_err() {
+                let _ = std::fs::remove_file(path);
+            }
+            return opened;
         }
+        FileBackend::open_existing(path, size, read_only, cache)
+    }
+
+    /// [`FileBackend::open`] of a file or device that exists.
+    fn open_existing(
+        path: &Path,
+        size: Option<u64>,
+        read_only: bool,
+        cache: Option<CacheMode>,
+    ) -> anyhow::Result<FileBackend> {
         let file = OpenOptions::new()
             .read(true)
             .write(!read_only)

@@ -869,6 +869,49 @@ async fn losing_a_second_peer_starts_a_new_generation_so_a_later_split_brain_sho
     let _ = nodes.stop.send(true);
 }
 
+/// Verify finds a region that differs (bytes changed behind the replication's back),
+/// names it, and the resync it starts makes the replicas equal again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_finds_a_region_that_differs_and_the_resync_repairs_it() {
+    let pair = pair("C", Arc::new(MemoryBackend::new(SIZE, false))).await;
+    let backend = pair.primary_backend();
+    backend
+        .write(0, pattern(1, 1 << 20).into(), false)
+        .await
+        .unwrap();
+    backend.flush().await.unwrap();
+    let said = pair.primary.verify().await.unwrap();
+    assert!(
+        said.starts_with("verify done: 0 regions differed"),
+        "{said}"
+    );
+    // One byte changed on beta's disk, bypassing replication.
+    pair.secondary
+        .local
+        .write(3 * 65536 + 7, Bytes::from_static(b"!").into(), false)
+        .await
+        .unwrap();
+    assert!(!pair.replicas_equal().await);
+    let said = pair.primary.verify().await.unwrap();
+    assert!(
+        said.starts_with("verify done: 1 regions differed (compared with beta)"),
+        "{said}"
+    );
+    wait_until("the resync repairs beta", || {
+        let beta = &pair.primary.status().peers[0];
+        beta.connected && beta.out_of_sync_bytes == 0
+    })
+    .await;
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while !pair.replicas_equal().await {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the replicas are equal again");
+    let _ = pair.stop.send(true);
+}
+
 /// Promoting beta drops its links so they reconnect in the new role; in that gap alpha
 /// sees no peer at all. Beta's announcement must still keep alpha from being promoted
 /// too (two primaries, each taking writes), until beta says hello again.

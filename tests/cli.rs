@@ -273,6 +273,64 @@ fn the_default_listener_is_loopback_10809() {
     assert!(status.success());
 }
 
+/// What SIGTERM promises, checked request by request: every write the server read before
+/// the stop is answered, each answer is a success, the connection then ends, and every
+/// acknowledged write is in the file once the server exited 0 (after its final flush).
+#[test]
+fn sigterm_answers_the_requests_it_read_and_keeps_every_acknowledged_write() {
+    use common::raw::{Mode, Raw};
+    use netblk::wire::cmd;
+    const WRITES: u64 = 64;
+    const SIZE: usize = 1 << 20;
+    let block = |i: u64| vec![(i as u8).wrapping_mul(37).wrapping_add(1); SIZE];
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("disk.img");
+    let mut server = Server::start(&["--size", "64M", path.to_str().unwrap()]);
+    let mut raw = Raw::session(server.tcp(), Mode::Simple);
+    let requests: Vec<Vec<u8>> = (0..WRITES)
+        .map(|i| raw.encode_request(cmd::WRITE, 0, i, i * SIZE as u64, SIZE as u64, &block(i)))
+        .collect();
+    let mut sending = raw.sock.try_clone().unwrap();
+    // The writes go out while the server is told to stop; once it stops reading, the
+    // rest cannot be sent.
+    let sender = std::thread::spawn(move || {
+        use std::io::Write;
+        requests
+            .iter()
+            .take_while(|r| sending.write_all(r).is_ok())
+            .count()
+    });
+    let first = raw.reply(0).expect("the first write is answered");
+    server.signal("TERM");
+    let mut answered = vec![first];
+    while let Some(reply) = raw.reply(0) {
+        answered.push(reply);
+    }
+    let sent = sender.join().unwrap();
+    let status = server
+        .wait_exit(Duration::from_secs(20))
+        .expect("exits after SIGTERM");
+    assert!(status.success(), "{status}\n{}", server.stderr());
+    let mut cookies: Vec<u64> = answered.iter().map(|r| r.cookie).collect();
+    cookies.sort_unstable();
+    cookies.dedup();
+    assert_eq!(cookies.len(), answered.len(), "a request answered twice");
+    assert!(answered.iter().all(|r| r.error == 0), "{answered:?}");
+    assert!(answered.len() <= sent);
+    let file = std::fs::read(&path).unwrap();
+    for cookie in cookies {
+        let at = cookie as usize * SIZE;
+        assert!(
+            file[at..at + SIZE] == block(cookie)[..],
+            "acknowledged write {cookie} is not in the file"
+        );
+    }
+    eprintln!(
+        "{sent} writes sent, {} answered before the stop closed the connection",
+        answered.len()
+    );
+}
+
 #[test]
 fn sigterm_finishes_requests_in_flight_flushes_and_exits_zero() {
     if !have("fio") {

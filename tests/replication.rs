@@ -443,6 +443,29 @@ fn a_peer_of_another_resource_is_refused_with_a_reason() {
     assert!(!primary.stderr().contains("peer connected"));
 }
 
+#[test]
+fn peers_whose_resource_files_name_different_protocols_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair(dir.path());
+    let text = std::fs::read_to_string(&config).unwrap();
+    // Beta's copy of the file says protocol B; alpha's has the default, C.
+    let beta_config = dir.path().join("r0-beta.toml");
+    std::fs::write(
+        &beta_config,
+        text.replace("[resource]\n", "[resource]\nprotocol = \"B\"\n"),
+    )
+    .unwrap();
+    let primary = start_node(&config, "alpha", true);
+    let secondary = start_node(&beta_config, "beta", false);
+    wait_for_log(
+        "either node",
+        || primary.stderr() + &secondary.stderr(),
+        "replicates with protocol",
+        1,
+    );
+    assert!(!primary.stderr().contains("peer connected"));
+}
+
 /// `netblk status --json` for a node, parsed.
 fn status_json(config: &Path, node: &str) -> serde_json::Value {
     let out = run(Command::new(env!("CARGO_BIN_EXE_netblk"))

@@ -291,6 +291,7 @@ fn our_hello(shared: &Shared) -> Hello {
         generations,
         role: shared.role(),
         disk,
+        protocol: shared.resource.protocol,
     }
 }
 
@@ -310,6 +311,15 @@ fn check_hello(
         return Err(format!(
             "peer {:?} belongs to resource {:?}, not {:?}",
             hello.node, hello.resource, shared.resource.name
+        ));
+    }
+    if hello.protocol != shared.resource.protocol {
+        // Under A or B a primary releases a range before its peers apply the write, and
+        // relies on them applying writes in order; a secondary configured for C would not.
+        return Err(format!(
+            "peer {:?} replicates with protocol {:?}, this node with {:?}: the resource \
+             files must agree",
+            hello.node, hello.protocol, shared.resource.protocol
         ));
     }
     let index = shared

@@ -8,12 +8,13 @@
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
+use super::config::Protocol;
 use super::generation::Generations;
 
 /// First field of every [`Hello`]: "NBLKREPL".
 pub const HELLO_MAGIC: u64 = 0x4e42_4c4b_5245_504c;
 /// The protocol version this code speaks.
-pub const PROTOCOL_VERSION: u16 = 3;
+pub const PROTOCOL_VERSION: u16 = 4;
 /// Largest data payload in one frame (an NBD write can be this large).
 pub const MAX_DATA: usize = crate::wire::MAX_PAYLOAD as usize;
 /// Largest frame body: the largest payload plus the fixed fields in front of it.
@@ -81,6 +82,10 @@ pub struct Hello {
     pub generations: Generations,
     pub role: Role,
     pub disk: DiskState,
+    /// The replication protocol of the sender's resource file: both ends must agree
+    /// (a secondary applies writes in order only under A and B, which the primary's
+    /// protocol relies on).
+    pub protocol: Protocol,
 }
 
 /// One message between two nodes.
@@ -281,6 +286,14 @@ impl DiskState {
     }
 }
 
+fn protocol_code(protocol: Protocol) -> u8 {
+    match protocol {
+        Protocol::A => 1,
+        Protocol::B => 2,
+        Protocol::C => 3,
+    }
+}
+
 impl ResyncStatus {
     fn code(self) -> u32 {
         match self {
@@ -355,6 +368,7 @@ impl Message {
                 put_generations(out, &hello.generations);
                 out.put_u8(hello.role.code());
                 out.put_u8(hello.disk.code());
+                out.put_u8(protocol_code(hello.protocol));
             }
             Message::Refuse { reason } => {
                 out.put_u8(kind::REFUSE);
@@ -559,6 +573,7 @@ impl Message {
                     generations: r.generations()?,
                     role: r.role()?,
                     disk: r.disk()?,
+                    protocol: r.protocol()?,
                 })
             }
             kind::REFUSE => {
@@ -878,6 +893,15 @@ impl Fields {
         }
     }
 
+    fn protocol(&mut self) -> Result<Protocol, PeerWireError> {
+        match self.u8("protocol")? {
+            1 => Ok(Protocol::A),
+            2 => Ok(Protocol::B),
+            3 => Ok(Protocol::C),
+            other => Err(self.bad("protocol", u64::from(other))),
+        }
+    }
+
     fn rest(&mut self) -> Bytes {
         std::mem::take(&mut self.body)
     }
@@ -899,6 +923,7 @@ pub fn example_messages() -> Vec<Message> {
             generations,
             role: Role::Primary,
             disk: DiskState::UpToDate,
+            protocol: Protocol::C,
         }),
         Message::Refuse {
             reason: "resource r1 is not r0".into(),
@@ -1146,10 +1171,11 @@ mod tests {
                 any::<u64>(),
                 generations(),
                 role(),
-                disk()
+                disk(),
+                prop_oneof![Just(Protocol::A), Just(Protocol::B), Just(Protocol::C)]
             )
                 .prop_map(
-                    |(version, resource, node, size, generations, role, disk)| {
+                    |(version, resource, node, size, generations, role, disk, protocol)| {
                         Message::Hello(Hello {
                             version,
                             resource,
@@ -1158,6 +1184,7 @@ mod tests {
                             generations,
                             role,
                             disk,
+                            protocol,
                         })
                     }
                 ),

@@ -328,23 +328,8 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         });
         opened.push(opened_export);
     }
-    let max_merge = match &args.max_merge {
-        None => DEFAULT_MAX_MERGE,
-        Some(text) => {
-            let size = parse_size(text).map_err(|e| anyhow::anyhow!("--max-merge {e}"))?;
-            u32::try_from(size)
-                .ok()
-                .filter(|&s| s <= MAX_PAYLOAD)
-                .ok_or_else(|| anyhow::anyhow!("--max-merge {text}: at most 32M"))?
-        }
-    };
-    let handshake_timeout = args
-        .handshake_timeout
-        .or(timeout)
-        .unwrap_or(DEFAULT_HANDSHAKE_TIMEOUT);
-    if handshake_timeout.is_zero() {
-        bail!("--handshake-timeout must be above zero");
-    }
+    let max_merge = max_merge(&args)?;
+    let handshake_timeout = handshake_timeout(&args, timeout)?;
     let connection_threads = match args.threads {
         Some(threads) => usize::from(threads),
         None => std::thread::available_parallelism().map_or(1, |n| n.get()),
@@ -422,6 +407,30 @@ fn receive_buffer(tcp: TcpSettings, args: &ServeArgs) -> anyhow::Result<TcpSetti
     Ok(tcp.with_receive_buffer(bytes))
 }
 
+/// `--max-merge`, checked, or its default.
+fn max_merge(args: &ServeArgs) -> anyhow::Result<u32> {
+    let Some(text) = &args.max_merge else {
+        return Ok(DEFAULT_MAX_MERGE);
+    };
+    let size = parse_size(text).map_err(|e| anyhow::anyhow!("--max-merge {e}"))?;
+    u32::try_from(size)
+        .ok()
+        .filter(|&s| s <= MAX_PAYLOAD)
+        .ok_or_else(|| anyhow::anyhow!("--max-merge {text}: at most 32M"))
+}
+
+/// `--handshake-timeout`, else the config file's, else the default; above zero.
+fn handshake_timeout(args: &ServeArgs, from_config: Option<Duration>) -> anyhow::Result<Duration> {
+    let timeout = args
+        .handshake_timeout
+        .or(from_config)
+        .unwrap_or(DEFAULT_HANDSHAKE_TIMEOUT);
+    if timeout.is_zero() {
+        bail!("--handshake-timeout must be above zero");
+    }
+    Ok(timeout)
+}
+
 /// `netblk serve --config RESOURCE.toml --node NAME`: one node of a replicated export.
 fn run_replicated(args: &ServeArgs, path: &std::path::Path) -> anyhow::Result<()> {
     use netblk::replication::{config::ResourceConfig, node::Node};
@@ -435,7 +444,8 @@ fn run_replicated(args: &ServeArgs, path: &std::path::Path) -> anyhow::Result<()
     if !args.listen.is_empty() {
         bail!("--listen does not apply to a resource file: each node's listen address is in it");
     }
-    let handshake_timeout = args.handshake_timeout.unwrap_or(DEFAULT_HANDSHAKE_TIMEOUT);
+    let handshake_timeout = handshake_timeout(args, None)?;
+    let max_merge = max_merge(args)?;
     let tcp = receive_buffer(TcpSettings::choose(args.tcp_congestion.as_deref())?, args)?;
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
     if let Some(threads) = args.threads {
@@ -446,7 +456,16 @@ fn run_replicated(args: &ServeArgs, path: &std::path::Path) -> anyhow::Result<()
     runtime.block_on(async move {
         let shutdown = shutdown_signal()?;
         let powercut = args.fault_injection.as_deref() == Some("powercut");
-        let node = Node::bind(resource, &name, primary, handshake_timeout, powercut, tcp).await?;
+        let node = Node::bind(
+            resource,
+            &name,
+            primary,
+            handshake_timeout,
+            max_merge,
+            powercut,
+            tcp,
+        )
+        .await?;
         let mut stdout = std::io::stdout().lock();
         writeln!(stdout, "listening on {}", node.client_listener())?;
         writeln!(stdout, "replicating on {}", node.replication_listener())?;

@@ -444,6 +444,23 @@ fn a_peer_of_another_resource_is_refused_with_a_reason() {
 }
 
 #[test]
+fn a_node_checks_its_serving_options_as_a_plain_server_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair(dir.path());
+    for (option, value) in [("--max-merge", "33M"), ("--handshake-timeout", "0s")] {
+        let out = Command::new(env!("CARGO_BIN_EXE_netblk"))
+            .args(["serve", "--config"])
+            .arg(&config)
+            .args(["--node", "alpha", option, value])
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{option} {value} was accepted");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(option), "{err}");
+    }
+}
+
+#[test]
 fn peers_whose_resource_files_name_different_protocols_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     let config = loopback_pair(dir.path());

@@ -26,17 +26,20 @@ pub struct Node {
     control: UnixListener,
     control_path: PathBuf,
     handshake_timeout: Duration,
+    max_merge: u32,
 }
 
 impl Node {
     /// Opens node `name` of `resource` and binds its listeners; with `primary` it is
     /// promoted first (refused if its data may be older than a peer's). `powercut` puts the
-    /// fault-injection cache of `--fault-injection powercut` over the backing.
+    /// fault-injection cache of `--fault-injection powercut` over the backing; the client
+    /// listener uses `handshake_timeout` and `max_merge` as a plain server does.
     pub async fn bind(
         resource: ResourceConfig,
         name: &str,
         primary: bool,
         handshake_timeout: Duration,
+        max_merge: u32,
         powercut: bool,
         tcp: TcpSettings,
     ) -> anyhow::Result<Node> {
@@ -85,6 +88,7 @@ impl Node {
             control,
             control_path: me.control,
             handshake_timeout,
+            max_merge,
         })
     }
 
@@ -129,7 +133,7 @@ impl Node {
         let config = ServerConfig {
             exports: vec![export],
             handshake_timeout: self.handshake_timeout,
-            max_merge: crate::server::DEFAULT_MAX_MERGE,
+            max_merge: self.max_merge,
             tcp: self.shared.tcp.clone(),
             clients: Default::default(),
         };
@@ -178,9 +182,17 @@ mod tests {
         );
         let resource = ResourceConfig::parse(&text, "test").unwrap();
         let tcp = TcpSettings::choose(Some("reno")).unwrap();
-        let node = Node::bind(resource, "alpha", false, Duration::from_secs(5), false, tcp)
-            .await
-            .unwrap();
+        let node = Node::bind(
+            resource,
+            "alpha",
+            false,
+            Duration::from_secs(5),
+            crate::server::DEFAULT_MAX_MERGE,
+            false,
+            tcp,
+        )
+        .await
+        .unwrap();
         use crate::tcp::test_support::algorithm;
         assert_eq!(algorithm(&node.replication), "reno");
         let crate::server::Listener::Tcp(clients) = &node.clients else {

@@ -205,6 +205,20 @@ impl Config {
             checked
                 .check()
                 .map_err(|(field, why)| invalid(key(field), why))?;
+            // Two exports of one file would be two caches of it (one O_DIRECT, one the page
+            // cache, say) that do not see each other's writes.
+            if let BackingSpec::Path(path) = &checked.backing {
+                let same = |other: &ExportConfig| match &other.backing {
+                    BackingSpec::Path(seen) => same_file(seen, path),
+                    BackingSpec::Memory { .. } => false,
+                };
+                if let Some(first) = exports.iter().position(same) {
+                    return Err(invalid(
+                        key("backing"),
+                        format!("{} is export[{first}]'s backing too", path.display()),
+                    ));
+                }
+            }
             exports.push(checked);
         }
         for (i, listen) in raw.listen.iter().enumerate() {
@@ -220,9 +234,39 @@ impl Config {
     }
 }
 
+/// Whether two paths name one file: the same device and inode when both exist, else the
+/// same text.
+fn same_file(a: &std::path::Path, b: &std::path::Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
+        _ => a == b,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_file_cannot_back_two_exports() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("disk.img");
+        std::fs::write(&file, [0u8; 4096]).unwrap();
+        let link = dir.path().join("link.img");
+        std::os::unix::fs::symlink(&file, &link).unwrap();
+        let text = format!(
+            "[[export]]\nname = \"a\"\nbacking = \"{}\"\n\
+             [[export]]\nname = \"b\"\nbacking = \"{}\"\ncache = \"none\"\n",
+            file.display(),
+            link.display()
+        );
+        let e = Config::parse(&text, "test").unwrap_err().to_string();
+        assert!(
+            e.contains("export[1].backing") && e.contains("export[0]'s backing too"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn a_full_config_parses() {

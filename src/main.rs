@@ -298,6 +298,13 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         .iter()
         .map(|l| ListenAddr::parse(l).map_err(|e| anyhow::anyhow!("--listen {e}")))
         .collect::<anyhow::Result<Vec<_>>>()?;
+    if let Some(twice) = addrs
+        .iter()
+        .enumerate()
+        .find_map(|(i, addr)| addrs[..i].contains(addr).then_some(&listen[i]))
+    {
+        bail!("listen address {twice} is given twice");
+    }
     let mut opened = Vec::new();
     let mut described = Vec::new();
     for export in exports {
@@ -348,9 +355,15 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         // connection threads start before it too.
         let shutdown = shutdown_signal()?;
         let threads = ConnectionThreads::start(connection_threads)?;
+        // Socket files bound so far are removed if starting fails after them.
+        let mut bound = SocketFiles::default();
         let mut listeners = Vec::new();
         for addr in &addrs {
-            listeners.push(addr.bind(&tcp).await?);
+            let listener = addr.bind(&tcp).await?;
+            if let ListenAddr::Unix(path) = addr {
+                bound.0.push(path.clone());
+            }
+            listeners.push(listener);
         }
         // Bound before the server reports ready, so a status asked for at once is answered.
         let control = match &args.control {
@@ -361,6 +374,8 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
             )),
             None => None,
         };
+        // From here the server and the control task remove their own files.
+        bound.0.clear();
         let mut stdout = std::io::stdout().lock();
         for listener in &listeners {
             writeln!(stdout, "listening on {}", listener.describe())?;
@@ -392,6 +407,19 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         }
         served
     })
+}
+
+/// Unix socket files this start bound, removed when dropped (a start that failed after
+/// binding them); cleared once the server owns them.
+#[derive(Default)]
+struct SocketFiles(Vec<std::path::PathBuf>);
+
+impl Drop for SocketFiles {
+    fn drop(&mut self) {
+        for path in &self.0 {
+            let _ = std::fs::remove_file(path);
+        }
+    }
 }
 
 /// `tcp` with the receive buffer `--tcp-receive-buffer` asks for, if it does.

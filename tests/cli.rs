@@ -85,6 +85,34 @@ fn bad_command_lines_are_clear_errors() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--listen"));
     let out = netblk(&["serve"]);
     assert!(!out.status.success(), "BACKING or --config is required");
+    // A start that fails after binding a Unix socket leaves no socket file behind.
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("nbd.sock");
+    let not_a_socket = dir.path().join("notes.txt");
+    std::fs::write(&not_a_socket, "keep").unwrap();
+    let listen = format!("unix:{}", socket.display());
+    let out = netblk(&[
+        "serve",
+        "--listen",
+        &listen,
+        "--control",
+        not_a_socket.to_str().unwrap(),
+        "memory:1M",
+    ]);
+    assert!(!out.status.success());
+    assert!(!socket.exists(), "the failed start left its socket file");
+    assert_eq!(std::fs::read_to_string(&not_a_socket).unwrap(), "keep");
+    let out = netblk(&[
+        "serve",
+        "--listen",
+        &listen,
+        "--listen",
+        &listen,
+        "memory:1M",
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("given twice"), "{err}");
     // A replicated backing served without its resource file would drift from its peers.
     for node in [&["--node", "alpha"][..], &["--node", "alpha", "--primary"]] {
         let out = netblk(&[&["serve", "memory:1M"][..], node].concat());

@@ -720,7 +720,12 @@ def versions():
         except OSError:
             return "missing"
     commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    return [f"netblk {commit}", first_line(["fio", "--version"]), first_line(["nbdkit", "--version"]),
+    # The binary measured need not be HEAD's: say which file it was and when it was built.
+    try:
+        built = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(os.path.getmtime(NETBLK)))
+    except OSError:
+        built = "missing"
+    return [f"netblk {commit} (binary {NETBLK}, built {built})", first_line(["fio", "--version"]), first_line(["nbdkit", "--version"]),
             first_line(["qemu-nbd", "--version"]), f"kernel {os.uname().release}", f"{os.cpu_count()} CPUs"]
 
 
@@ -946,7 +951,10 @@ def write_report(args, selected, fs_selected, results, errors, rounds, runtime, 
             steal = median_range([r.get("steal") for r in runs])[0]
             dack = sum(r["tcp"].get("TcpExtDelayedACKs", 0) for r in runs)
             retr = sum(r["tcp"].get("TcpRetransSegs", 0) for r in runs)
-            lines.append(f"| {name} | {server} | {fmt(iops)} ({fmt(lo)}–{fmt(hi)}) | {fmt(mbps)} | {fmt(lat, 1)} | "
+            # A run that failed must not vanish behind the median of the others.
+            failed = (f" — {len(runs)} runs, others failed: {errors[key][:60].replace('|', '/')}"
+                      if key in errors else "")
+            lines.append(f"| {name} | {server} | {fmt(iops)} ({fmt(lo)}–{fmt(hi)}){failed} | {fmt(mbps)} | {fmt(lat, 1)} | "
                          f"{fmt(cpu, 2)} | {fmt(steal * 100 if steal is not None else None, 1)} | {dack} | {retr} |")
     lines += extra_round_lines(extra, rounds, args.steal_limit)
     lines += start_spread_lines(selected, results)
@@ -1026,7 +1034,7 @@ def write_report(args, selected, fs_selected, results, errors, rounds, runtime, 
     for figure in figures:
         lines += ["", figure]
     lines += ["", "## fio command lines", "",
-              "Every run: `fio --name=bench --size=1g --time_based --runtime=R --ramp_time=1 --output-format=json "
+              f"Every run: `fio --name=bench --size={SIZE} --time_based --runtime=R --ramp_time=1 --output-format=json "
               "--ioengine=nbd --uri=nbd://127.0.0.1:PORT` plus the workload's arguments (the local row uses "
               "`--ioengine=io_uring --direct=1 --filename=FILE` instead):", ""]
     for name, (job, _) in selected.items():

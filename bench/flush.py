@@ -6,8 +6,10 @@ same without flush, and the time of one FLUSH against the amount of dirty data.
     bench/flush.py --quick    # smoke run, under a minute
 
 Writes its section into bench/RESULTS.md between the flush markers (the rest of the file is
-left alone) and plots under bench/plots/. Servers run on 127.0.0.1 ports of this script's
-choosing, on a file in a temporary directory, and are stopped by PID.
+left alone) and plots under bench/plots/. The three servers run at once on 127.0.0.1 ports
+of this script's choosing, each on its own file in a temporary directory, and each cell is
+measured on every server in turn (A B C, cell after cell) so that the by-server comparison
+is made minutes apart at most by one cell. Servers are stopped by PID.
 """
 
 import argparse
@@ -26,7 +28,7 @@ from sections import write_section
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-NETBLK = os.path.join(ROOT, "target", "release", "netblk")
+NETBLK = bench.NETBLK  # honours NETBLK_BIN and CARGO_TARGET_DIR
 RESULTS = os.path.join(HERE, "RESULTS.md")
 SIZES = ["512", "1k", "2k", "4k", "8k", "16k", "64k"]
 CONNECTIONS = [1, 2, 4, 8, 16]
@@ -157,27 +159,30 @@ def main():
     if not os.path.exists(NETBLK):
         sys.exit("build first: cargo build --release")
     started = time.time()
+    kinds = ["netblk-writeback", "netblk-none", "qemu-nbd"]
     with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
-        disk = os.path.join(tmp, "disk.img")
-        with open(disk, "wb") as f:
-            f.truncate(DISK_SIZE)
-        subprocess.run(["fallocate", "-l", str(DISK_SIZE), disk], check=True)
-        matrix = {}  # (server, flush, size, conns) -> ops/s
-        for kind in ["netblk-writeback", "netblk-none", "qemu-nbd"]:
-            server = Server(kind, disk)
-            try:
-                for flush in [True, False]:
-                    for size in sizes:
-                        for n in conns:
+        servers = {}
+        try:
+            for kind in kinds:
+                disk = os.path.join(tmp, f"{kind}.img")
+                with open(disk, "wb") as f:
+                    f.truncate(DISK_SIZE)
+                subprocess.run(["fallocate", "-l", str(DISK_SIZE), disk], check=True)
+                servers[kind] = Server(kind, disk)
+            matrix = {}  # (server, flush, size, conns) -> ops/s
+            for flush in [True, False]:
+                for size in sizes:
+                    for n in conns:
+                        for kind in kinds:
                             if kind != "netblk-writeback" and size not in ("4k",):
                                 continue
-                            matrix[(kind, flush, size, n)] = fio_ops(server.uri, size, n, flush, runtime)
+                            matrix[(kind, flush, size, n)] = fio_ops(servers[kind].uri, size, n, flush, runtime)
                             print(kind, "flush" if flush else "no-flush", size, n,
                                   int(matrix[(kind, flush, size, n)]), flush=True)
-                if kind.startswith("netblk"):
-                    times = flush_times(server.uri, dirty, 1 if args.quick else 3)
-                    matrix[(kind, "dirty")] = times
-            finally:
+            for kind in kinds[:2]:
+                matrix[(kind, "dirty")] = flush_times(servers[kind].uri, dirty, 1 if args.quick else 3)
+        finally:
+            for server in servers.values():
                 server.stop()
     elapsed = time.time() - started
 
@@ -196,11 +201,12 @@ def main():
 
     lines = ["## Flush cost (`bench/flush.py`)", "",
              f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {runtime} s per cell, "
-             f"one pass ({elapsed / 60:.1f} min in all){', QUICK smoke run' if args.quick else ''}. "
-             "fio `--ioengine=nbd --rw=randwrite --iodepth=1 --numjobs=N` (one connection per job), "
-             "`--fsync=1` sends a FLUSH after every write. The disk behind this VM is backed by the "
-             "host's memory (a device flush costs microseconds), so these figures show the "
-             "server's own cost of a flush more than a disk's. Noisy 2-core VM: compare within a column.",
+             f"one pass ({elapsed / 60:.1f} min in all){', QUICK smoke run' if args.quick else ''}; "
+             "the servers run at once, each on its own file, and each cell is measured on each "
+             "server in turn. fio `--ioengine=nbd --rw=randwrite --iodepth=1 --numjobs=N` (one "
+             "connection per job), `--fsync=1` sends a FLUSH after every write. The disk under "
+             "this VM differs between machines (a device flush cost microseconds on some, "
+             "milliseconds on others): compare rows of one run, not runs. Noisy 2-core VM.",
              "", "### write+flush pairs per second, netblk `--cache=writeback`", "",
              "| write size | " + " | ".join(f"{n} conn" for n in conns) + " | scaling 1→" + str(conns[-1]) + " |",
              "|---|" + "---|" * (len(conns) + 1)]
@@ -231,20 +237,27 @@ def main():
         dn = matrix[("netblk-none", "dirty")][d]
         lines.append(f"| {d} | {wb[0] * 1000:.3f} | {wb[1] * 1000:.3f} | {dn[0] * 1000:.3f} | {dn[1] * 1000:.3f} |")
     one = [matrix[("netblk-writeback", True, "4k", n)] for n in conns]
+    best = max(range(len(conns)), key=lambda i: one[i])
+    wb_dirty = matrix[("netblk-writeback", "dirty")]
     lines += ["", "**Scaling in connections** (4 KiB write+flush, writeback): "
               + ", ".join(f"{n} → {v / one[0]:.2f}×" for n, v in zip(conns, one))
-              + ". What limits it: the fio client and the server share two cores, and every "
-              "write+flush pair is two loopback round trips; past two connections both cores "
-              "are busy, so pairs per second flatten rather than grow linearly. Concurrent "
-              "FLUSHes that find nothing new dirty return without a sync, and one `fdatasync` "
-              "covers every connection's writes, so the server itself adds no serialisation.",
+              + f"; the most at {conns[best]} connections ({one[best] / one[0]:.2f}×, linear would "
+              f"be {conns[best]}×). "
+              + ("At or above linear: concurrent FLUSHes share syncs (one `fdatasync` covers "
+                 "every connection's writes, and a FLUSH that finds nothing new dirty returns "
+                 "without one), so a slow device flush is paid once for several connections."
+                 if one[best] / one[0] >= conns[best] else
+                 "Below linear: the fio client and the server share two cores, and every "
+                 "write+flush pair is two loopback round trips, so once both cores are busy "
+                 "pairs per second cannot grow in proportion; the server adds no serialisation "
+                 "of its own (one `fdatasync` covers every connection's writes)."),
               "", "A FLUSH costs what is dirty: with nothing written it returns without a "
-              "syscall (the 'clean flush' column is one loopback round trip), and its time "
-              "grows with the data written since the last one. In writeback mode it grows more "
-              "slowly past 32 MiB: once clients flush, the server starts writeback of the file "
-              "every 32 MiB written (write-behind, ARCHITECTURE.md), so a FLUSH finds most of the "
-              "data already on its way to the disk (before write-behind, 64 MiB took 26.6 ms "
-              "and 256 MiB 90.0 ms in the run of 2026-11-22).", "",
+              "syscall (the 'clean flush' column is one loopback round trip). In this run, "
+              "writeback: "
+              + ", ".join(f"{d} MiB {wb_dirty[d][0] * 1000:.2f} ms" for d in dirty)
+              + ". Once clients flush, the server starts writeback of the file every 32 MiB "
+              "written (write-behind, ARCHITECTURE.md), so a FLUSH after more than that finds "
+              "part of the data already on its way to the disk.", "",
               "![write+flush by connections](plots/flush-connections.svg) "
               "![flush time against dirty data](plots/flush-dirty.svg)"]
     write_section(RESULTS, "flush", "\n".join(lines))

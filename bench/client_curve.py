@@ -74,8 +74,9 @@ def read_throughput(uri, block, zeroing, seconds):
         h.shutdown()
 
 
-def one_round(server_name, backing, sizes, seconds):
-    """{(size, zeroing): MB/s} for one start of the server."""
+def one_round(server_name, backing, sizes, seconds, zeroing_first=True):
+    """{(size, zeroing): MB/s} for one start of the server; the two zeroing modes in the
+    order given (rounds alternate it, so neither always runs on a warmer server)."""
     server = bench.SERVERS[server_name]
     if server.kind == "file":
         bench.settle_backing(backing, warm=server_name in bench.PAGE_CACHE_ROWS)
@@ -89,7 +90,7 @@ def one_round(server_name, backing, sizes, seconds):
                            check=True, capture_output=True, timeout=300)
         results = {}
         for size in sizes:
-            for zeroing in (True, False):
+            for zeroing in ((True, False) if zeroing_first else (False, True)):
                 results[(size, zeroing)] = read_throughput(uri, SIZES[size], zeroing, seconds)
         return results
     finally:
@@ -114,7 +115,8 @@ def main():
             bench.write_backing(backing)
         for round_no in range(1, args.rounds + 1):
             for server in args.servers:
-                for key, mbps in one_round(server, backing, args.sizes, args.runtime).items():
+                first = round_no % 2 == 1
+                for key, mbps in one_round(server, backing, args.sizes, args.runtime, first).items():
                     samples.setdefault((server, *key), []).append(mbps)
                     print(f"round {round_no} {server} {key[0]} zeroing={'on' if key[1] else 'off'}: "
                           f"{mbps:,.0f} MB/s", flush=True)

@@ -142,6 +142,7 @@ impl TcpSettings {
     fn tune_unconnected(&self, socket: impl AsFd, what: &str) {
         let fd = socket.as_fd();
         set_nodelay(fd, what);
+        set_keepalive(fd, what);
         if let Some(name) = self.congestion() {
             set_congestion(fd, name, what);
         }
@@ -158,6 +159,7 @@ impl TcpSettings {
     pub fn tune(&self, socket: impl AsFd, peer: &str) {
         let fd = socket.as_fd();
         set_nodelay(fd, peer);
+        set_keepalive(fd, peer);
         if let Some(name) = self.congestion() {
             let current = rustix::net::sockopt::get_tcp_congestion(fd).unwrap_or_default();
             if current != name {
@@ -196,6 +198,25 @@ fn check_available(name: &str) -> Result<(), CongestionError> {
             .map(|s| s.trim().to_string())
             .unwrap_or_else(|_| "unknown".into()),
     })
+}
+
+/// Silence after which a connection's peer is probed, the time between probes, and the
+/// unanswered probes after which the kernel drops it: a client whose host vanished while
+/// idle is gone from `netblk status` (and gives back its descriptor) within about two
+/// minutes instead of never. A live client answers probes from its kernel, idle or not.
+const KEEPALIVE_IDLE: std::time::Duration = std::time::Duration::from_secs(60);
+const KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
+const KEEPALIVE_PROBES: u32 = 6;
+
+fn set_keepalive(fd: std::os::fd::BorrowedFd<'_>, what: &str) {
+    use rustix::net::sockopt;
+    let set = sockopt::set_socket_keepalive(fd, true)
+        .and_then(|()| sockopt::set_tcp_keepidle(fd, KEEPALIVE_IDLE))
+        .and_then(|()| sockopt::set_tcp_keepintvl(fd, KEEPALIVE_INTERVAL))
+        .and_then(|()| sockopt::set_tcp_keepcnt(fd, KEEPALIVE_PROBES));
+    if let Err(e) = set {
+        warn!("TCP keepalive for {what}: {e}");
+    }
 }
 
 fn set_nodelay(fd: std::os::fd::BorrowedFd<'_>, what: &str) {
@@ -271,6 +292,12 @@ mod tests {
         for socket in [client.as_fd(), server.as_fd()] {
             assert!(rustix::net::sockopt::get_tcp_nodelay(socket).unwrap());
             assert_eq!(algorithm(socket), DEFAULT_CONGESTION);
+            // Inherited from the listener too: a vanished idle peer is dropped.
+            assert!(rustix::net::sockopt::get_socket_keepalive(socket).unwrap());
+            assert_eq!(
+                rustix::net::sockopt::get_tcp_keepidle(socket).unwrap(),
+                KEEPALIVE_IDLE
+            );
         }
     }
 

@@ -180,7 +180,46 @@ impl MemoryBackend {
     /// Makes a range read as zeroes. With `punch`, whole pages are released (a hole);
     /// without it every page stays or becomes allocated (NBD_CMD_FLAG_NO_HOLE: the range
     /// must be fully provisioned afterwards).
+    /// Pages held (written and not trimmed since).
+    fn present_pages(&self) -> u64 {
+        self.shards
+            .iter()
+            .map(|shard| shard.read().unwrap_or_else(|e| e.into_inner()).len() as u64)
+            .sum()
+    }
+
+    /// Zeroes a range; with `punch`, whole pages are dropped. A punch over more pages than
+    /// the export holds goes through the held pages, not the range: a trim of a terabyte
+    /// walked 16 million page slots on the connection's thread (0.26 s), stalling the
+    /// other connections there.
     fn zero_now(&self, offset: u64, length: u64, punch: bool) {
+        let first_whole = offset.div_ceil(PAGE_SIZE);
+        let end_whole = (offset + length) / PAGE_SIZE;
+        if punch && end_whole > first_whole && end_whole - first_whole > self.present_pages() {
+            // The partial pages at the ends: zeroed where held, never allocated.
+            self.zero_walk(offset, first_whole * PAGE_SIZE - offset, true);
+            for shard in &self.shards {
+                let mut shard = shard.write().unwrap_or_else(|e| e.into_inner());
+                let doomed: Vec<u64> = shard
+                    .keys()
+                    .copied()
+                    .filter(|page| (first_whole..end_whole).contains(page))
+                    .collect();
+                for page in doomed {
+                    if let Some(Ok(buffer)) = shard.remove(&page).map(Arc::try_unwrap) {
+                        buffer.give_back();
+                    }
+                }
+            }
+            let tail = end_whole * PAGE_SIZE;
+            self.zero_walk(tail, offset + length - tail, true);
+            return;
+        }
+        self.zero_walk(offset, length, punch);
+    }
+
+    /// [`MemoryBackend::zero_now`] page by page.
+    fn zero_walk(&self, offset: u64, length: u64, punch: bool) {
         Self::for_each_piece(offset, length, |page, in_page, _, len| {
             let mut shard = self.shard(page).write().unwrap_or_else(|e| e.into_inner());
             if punch && len as u64 == PAGE_SIZE {
@@ -352,6 +391,34 @@ mod tests {
             .build()
             .unwrap()
             .block_on(f)
+    }
+
+    #[test]
+    fn a_trim_larger_than_what_is_held_drops_the_held_pages_and_zeroes_the_ends() {
+        let size = 1u64 << 40;
+        let m = MemoryBackend::new(size, false);
+        let ones = |len: usize| Bytes::from(vec![1u8; len]);
+        for at in [0, 5 * PAGE_SIZE, size / 2, size - 2 * PAGE_SIZE] {
+            block_on(m.write(at, ones(2 * PAGE_SIZE as usize).into(), false)).unwrap();
+        }
+        assert_eq!(m.present_pages(), 8);
+        // Leaves the first 100 bytes and the last 100: the pages at the ends stay, zeroed
+        // in part; every page between goes, without a walk over 16 million page slots.
+        block_on(m.trim(100, size - 200, false)).unwrap();
+        assert_eq!(m.present_pages(), 2);
+        let head = block_on(m.read(0, 2 * PAGE_SIZE as usize)).unwrap().bytes();
+        assert!(head[..100].iter().all(|&b| b == 1));
+        assert!(head[100..].iter().all(|&b| b == 0));
+        let tail = block_on(m.read(size - PAGE_SIZE, PAGE_SIZE as usize))
+            .unwrap()
+            .bytes();
+        let kept = PAGE_SIZE as usize - 100;
+        assert!(tail[..kept].iter().all(|&b| b == 0));
+        assert!(tail[kept..].iter().all(|&b| b == 1));
+        // A trim of nothing held allocates nothing.
+        let empty = MemoryBackend::new(size, false);
+        block_on(empty.trim(7, size - 7, false)).unwrap();
+        assert_eq!(empty.present_pages(), 0);
     }
 
     #[test]

@@ -125,13 +125,22 @@ impl TcpSettings {
         Ok(listener)
     }
 
-    /// Connects to `addr` with these settings in place before the handshake.
-    pub async fn connect(&self, addr: SocketAddr) -> std::io::Result<TcpStream> {
+    /// Connects to `addr` with these settings in place before the handshake, from the
+    /// address `from` (any port) when given: a replication peer checks where a connection
+    /// comes from.
+    pub async fn connect(
+        &self,
+        addr: SocketAddr,
+        from: Option<std::net::IpAddr>,
+    ) -> std::io::Result<TcpStream> {
         let socket = match addr {
             SocketAddr::V4(_) => TcpSocket::new_v4()?,
             SocketAddr::V6(_) => TcpSocket::new_v6()?,
         };
         self.tune_unconnected(&socket, &addr.to_string());
+        if let Some(ip) = from {
+            socket.bind(SocketAddr::new(ip, 0))?;
+        }
         socket.connect(addr).await
     }
 
@@ -287,7 +296,7 @@ mod tests {
         assert_eq!(settings.congestion(), Some(DEFAULT_CONGESTION));
         let listener = settings.bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let (client, accepted) = tokio::join!(settings.connect(addr), listener.accept());
+        let (client, accepted) = tokio::join!(settings.connect(addr, None), listener.accept());
         let (client, (server, _)) = (client.unwrap(), accepted.unwrap());
         for socket in [client.as_fd(), server.as_fd()] {
             assert!(rustix::net::sockopt::get_tcp_nodelay(socket).unwrap());
@@ -310,7 +319,7 @@ mod tests {
         for (settings, name) in [(&reno, "reno"), (&cubic, "cubic"), (&reno, "reno")] {
             let listener = settings.bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
             let addr = listener.local_addr().unwrap();
-            let (client, accepted) = tokio::join!(settings.connect(addr), listener.accept());
+            let (client, accepted) = tokio::join!(settings.connect(addr, None), listener.accept());
             assert_eq!(algorithm(&listener), name);
             assert_eq!(algorithm(client.unwrap()), name);
             assert_eq!(algorithm(accepted.unwrap().0), name);
@@ -330,7 +339,7 @@ mod tests {
         ] {
             let listener = settings.bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
             let addr = listener.local_addr().unwrap();
-            let (client, accepted) = tokio::join!(settings.connect(addr), listener.accept());
+            let (client, accepted) = tokio::join!(settings.connect(addr, None), listener.accept());
             let (client, (server, _)) = (client.unwrap(), accepted.unwrap());
             for socket in [client.as_fd(), server.as_fd()] {
                 let got = rustix::net::sockopt::get_socket_recv_buffer_size(socket).unwrap();

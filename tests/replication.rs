@@ -444,6 +444,37 @@ fn a_peer_of_another_resource_is_refused_with_a_reason() {
 }
 
 #[test]
+fn a_peer_connecting_from_another_address_than_its_own_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair(dir.path());
+    let text = std::fs::read_to_string(&config).unwrap();
+    // Beta's copy puts alpha at 127.0.0.2; alpha dials from 127.0.0.1, its own address.
+    let alpha_replication = text
+        .lines()
+        .filter(|l| l.starts_with("replication = "))
+        .map(|l| {
+            l.trim_start_matches("replication = ")
+                .trim_matches('"')
+                .to_string()
+        })
+        .next()
+        .unwrap();
+    let moved = alpha_replication.replace("127.0.0.1", "127.0.0.2");
+    let beta_config = dir.path().join("r0-beta.toml");
+    std::fs::write(&beta_config, text.replacen(&alpha_replication, &moved, 1)).unwrap();
+    let primary = start_node(&config, "alpha", true);
+    let secondary = start_node(&beta_config, "beta", false);
+    wait_for_log(
+        "secondary",
+        || secondary.stderr(),
+        "whose address in the resource file is 127.0.0.2",
+        1,
+    );
+    assert!(!secondary.stderr().contains("peer connected"));
+    drop(primary);
+}
+
+#[test]
 fn a_node_checks_its_serving_options_as_a_plain_server_does() {
     let dir = tempfile::tempdir().unwrap();
     let config = loopback_pair(dir.path());

@@ -258,12 +258,21 @@ pub async fn run_replication(
 
 async fn dial_loop(shared: Arc<Shared>, index: usize, mut stop: watch::Receiver<bool>) {
     let addr = shared.peers[index].config.replication;
+    // From this node's own replication address, which the peer checks.
+    let from = shared
+        .resource
+        .node(&shared.node)
+        .ok()
+        .map(|me| me.replication.ip())
+        .filter(|ip| !ip.is_unspecified() && ip.is_ipv4() == addr.is_ipv4());
     let retry = Duration::from_millis(500);
     loop {
         if *stop.borrow() {
             return;
         }
-        match tokio::time::timeout(shared.resource.peer_timeout, shared.tcp.connect(addr)).await {
+        match tokio::time::timeout(shared.resource.peer_timeout, shared.tcp.connect(addr, from))
+            .await
+        {
             Ok(Ok(stream)) => {
                 run_connection(Arc::clone(&shared), stream, addr, Some(index), stop.clone()).await;
             }
@@ -300,6 +309,7 @@ fn check_hello(
     shared: &Shared,
     hello: &Hello,
     expected: Option<usize>,
+    addr: SocketAddr,
 ) -> Result<(usize, Plan, SyncDecision), String> {
     if hello.version != PROTOCOL_VERSION {
         return Err(format!(
@@ -332,12 +342,33 @@ fn check_hello(
                 hello.node, shared.node
             )
         })?;
-    if let Some(expected) = expected {
-        if expected != index {
+    match expected {
+        Some(expected) if expected != index => {
             return Err(format!(
                 "dialled {:?} but {:?} answered",
                 shared.peers[expected].config.name, hello.node
             ));
+        }
+        Some(_) => {}
+        // Accepted: only a peer with a smaller name dials, and from the address the
+        // resource file gives it (not TLS, but a stranger on the network cannot simply
+        // claim a node's name and become this secondary's primary).
+        None => {
+            if hello.node >= shared.node {
+                return Err(format!(
+                    "{:?} dialled this node, but this node dials {:?}",
+                    hello.node, hello.node
+                ));
+            }
+            let configured = shared.peers[index].config.replication.ip();
+            if !configured.is_unspecified() && addr.ip().to_canonical() != configured.to_canonical()
+            {
+                return Err(format!(
+                    "a connection from {} says it is {:?}, whose address in the resource file is {configured}",
+                    addr.ip(),
+                    hello.node
+                ));
+            }
         }
     }
     if hello.size != shared.local.size() {
@@ -466,11 +497,12 @@ async fn run_connection(
             return;
         }
     };
-    let checked = check_hello(&shared, &hello, expected).and_then(|(index, plan, decision)| {
-        let conn = PeerConn::new(&hello, plan);
-        shared.install(&shared.peers[index], Arc::clone(&conn), plan)?;
-        Ok((index, conn, decision))
-    });
+    let checked =
+        check_hello(&shared, &hello, expected, addr).and_then(|(index, plan, decision)| {
+            let conn = PeerConn::new(&hello, plan);
+            shared.install(&shared.peers[index], Arc::clone(&conn), plan)?;
+            Ok((index, conn, decision))
+        });
     let (index, conn, decision) = match checked {
         Ok(ok) => ok,
         Err(reason) => {

@@ -991,6 +991,70 @@ fn decode_activity_log(record: &[u8]) -> Option<(u64, Vec<u64>)> {
 mod tests {
     use super::*;
 
+    mod records {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn name() -> impl Strategy<Value = String> {
+            // Names are at most 64 bytes (the resource file's limit), any UTF-8.
+            proptest::string::string_regex("[a-zé0-9_-]{1,32}").expect("valid regex")
+        }
+
+        fn disk() -> impl Strategy<Value = DiskState> {
+            prop_oneof![
+                Just(DiskState::UpToDate),
+                Just(DiskState::Outdated),
+                Just(DiskState::Inconsistent)
+            ]
+        }
+
+        proptest! {
+            #[test]
+            fn superblocks_round_trip_in_one_record_and_any_damage_is_refused(
+                seq in any::<u64>(),
+                (node, resource) in (name(), name()),
+                peers in proptest::collection::vec(name(), 1..=2),
+                size in any::<u64>(),
+                gens in any::<[u64; 4]>(),
+                (primary, clean) in any::<(bool, bool)>(),
+                disk in disk(),
+                flip in any::<(usize, u8)>(),
+            ) {
+                let sb = Superblock {
+                    node, resource, peers, size,
+                    generations: Generations {
+                        current: gens[0], bitmap: gens[1], history: [gens[2], gens[3]],
+                    },
+                    primary, disk, clean,
+                };
+                let record = encode_superblock(seq, &sb);
+                prop_assert!(record.len() as u64 <= RECORD_SIZE);
+                prop_assert_eq!(decode_superblock(&record), Some((seq, sb)));
+                // One changed byte anywhere in what the checksum seals (the length, the
+                // body, the checksum) is refused; the padding after it is not read.
+                let sealed = 2 + usize::from(u16::from_be_bytes([record[0], record[1]])) + 4;
+                let mut damaged = record.clone();
+                damaged[flip.0 % sealed] ^= flip.1.max(1);
+                prop_assert_eq!(decode_superblock(&damaged), None);
+            }
+
+            #[test]
+            fn activity_log_records_round_trip_and_damage_is_refused(
+                seq in any::<u64>(),
+                extents in proptest::collection::vec(any::<u64>(), 0..=AL_SLOTS),
+                flip in any::<(usize, u8)>(),
+            ) {
+                let record = encode_activity_log(seq, &extents);
+                prop_assert!(record.len() as u64 <= RECORD_SIZE);
+                let sealed = 16 + 8 * extents.len() + 4;
+                prop_assert_eq!(decode_activity_log(&record), Some((seq, extents)));
+                let mut damaged = record.clone();
+                damaged[flip.0 % sealed] ^= flip.1.max(1);
+                prop_assert_eq!(decode_activity_log(&damaged), None);
+            }
+        }
+    }
+
     // 512 extents: room to fill the activity log (256) and more.
     const SIZE: u64 = 2 << 30;
 

@@ -13,9 +13,10 @@ cd "$(dirname "$0")/.."
 fuzz_seconds=${NETBLK_FUZZ_SECONDS:-30}
 
 # Debian packages: the clients (qemu-img/qemu-io, nbdinfo/nbdcopy/nbdsh/nbdfuse, python
-# libnbd, fio), FUSE, ext4 tools and losetup for the file-system test, and iproute2 (`ss`,
-# which shows the congestion control of the server's sockets).
-packages=(qemu-utils libnbd-bin python3-libnbd fio fuse3 e2fsprogs util-linux iproute2)
+# libnbd, fio), FUSE, ext4 tools and losetup/mount (package mount) for the file-system test,
+# iproute2 (`ss`, which shows the congestion control of the server's sockets; `ip netns`),
+# and procps (`kill`, which the tests use to signal servers; minimal images lack it).
+packages=(qemu-utils libnbd-bin python3-libnbd fio fuse3 e2fsprogs util-linux mount iproute2 procps)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -66,7 +67,9 @@ if [ "$fuzz_seconds" -gt 0 ]; then
       echo "== fuzz $target for ${fuzz_seconds}s"
       scratch="$fuzz_scratch/$target"
       mkdir "$scratch"
-      (cd fuzz && cargo +nightly fuzz run -O "$target" "$scratch" "corpus/$target" -- \
+      # -a: debug assertions, and with them overflow checks, which the release test
+      # build lacks: a wrapped offset from the network panics here instead of passing.
+      (cd fuzz && cargo +nightly fuzz run -O -a "$target" "$scratch" "corpus/$target" -- \
         -max_total_time="$fuzz_seconds" -rss_limit_mb=4096 -print_final_stats=1 2>&1 | tail -n 12)
     done
   else

@@ -3,7 +3,8 @@
 //!
 //! `handshake` and `requests` run the real connection code (handshake and transmission)
 //! against a small memory export, over an in-memory pipe whose client side sends the input
-//! bytes and then closes; `peer` runs the replication protocol decoder.
+//! bytes and then closes; `peer` runs the replication protocol decoder, then a secondary's
+//! handling of the decoded messages.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -93,8 +94,11 @@ pub fn requests(data: &[u8]) {
     run_connection(input);
 }
 
-/// Decodes arbitrary bytes as a stream of replication frames (the `peer` target); every
-/// message that decodes must encode back to a frame that decodes to the same message.
+/// The `peer` target: arbitrary bytes as a stream of replication frames. Every message
+/// that decodes must encode back to a frame that decodes to the same message; then the
+/// same bytes are read by a secondary's frame loop (the handling of each message: writes,
+/// trims, barriers, reads, state changes), from a peer that is its primary, a resync
+/// target or idle (by the input's length), on one node kept across inputs.
 pub fn peer(data: &[u8]) {
     use crate::replication::wire::Message;
     let mut buf = bytes::BytesMut::from(data);
@@ -105,6 +109,61 @@ pub fn peer(data: &[u8]) {
         assert_eq!(decoded, Some(message), "re-encoding changed the message");
         assert!(again.is_empty(), "re-encoding left bytes behind");
     }
+    use crate::replication::peer::{fuzz_read_loop, Plan};
+    let plan = match data.len() % 3 {
+        0 => Plan::Target,
+        1 => Plan::Source { full: false },
+        _ => Plan::Idle,
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(fuzz_read_loop(fuzz_node(), plan, data));
+}
+
+/// A secondary node ("beta" of a two-node resource on a 2 GiB memory disk, more than its
+/// activity log covers at once) whose frame
+/// loop the `peer` target feeds; made once per process, its metadata in a scratch
+/// directory removed at once (the open file lives on).
+fn fuzz_node() -> &'static Arc<crate::replication::layer::Shared> {
+    use crate::replication::{config::ResourceConfig, layer::Shared, meta::Metadata};
+    static NODE: std::sync::OnceLock<Arc<Shared>> = std::sync::OnceLock::new();
+    NODE.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("netblk-fuzz-peer-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("scratch directory");
+        let text = format!(
+            "[resource]\nname = \"f\"\nprotocol = \"C\"\npeer_timeout = \"1s\"\n\
+             [[node]]\nname = \"alpha\"\nreplication = \"127.0.0.1:9\"\nlisten = \"unix:{d}/a.sock\"\n\
+             backing = \"memory:2G\"\nmetadata = \"{d}/alpha.meta\"\n\
+             [[node]]\nname = \"beta\"\nreplication = \"127.0.0.1:10\"\nlisten = \"unix:{d}/b.sock\"\n\
+             backing = \"memory:2G\"\nmetadata = \"{d}/beta.meta\"\n",
+            d = dir.display()
+        );
+        let resource = ResourceConfig::parse(&text, "fuzz").expect("resource");
+        let size = 2 << 30;
+        let meta = Metadata::open_or_create(
+            &dir.join("beta.meta"),
+            "beta",
+            "f",
+            &["alpha".to_string()],
+            size,
+        )
+        .expect("metadata");
+        let local = Arc::new(MemoryBackend::new(size, false));
+        let node = Shared::new(
+            local,
+            resource,
+            "beta",
+            meta,
+            crate::tcp::TcpSettings::default(),
+        )
+        .expect("node");
+        // The metadata file stays open: unlinked, it leaves nothing behind.
+        let _ = std::fs::remove_dir_all(&dir);
+        node
+    })
 }
 
 /// Seed inputs for the targets, built with the library's own codec: (target, name, bytes).
@@ -332,6 +391,32 @@ mod tests {
         for input in inputs {
             peer(&input);
         }
+    }
+
+    /// The hang a reviewer found by hand (a trim longer than the activity log held the
+    /// session for ever) ends through the fuzz entry too, so the target would catch it.
+    #[test]
+    fn a_peer_session_with_an_overlong_trim_ends() {
+        use crate::replication::wire::Message;
+        let mut input = bytes::BytesMut::new();
+        Message::Trim {
+            seq: 1,
+            offset: 0,
+            length: 2 << 30,
+            flags: 0,
+        }
+        .encode(&mut input);
+        // Its primary's session (the input's length a multiple of three).
+        while input.len() % 3 != 0 {
+            input.extend_from_slice(&[0]);
+        }
+        let (done_tx, done) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            peer(&input);
+            let _ = done_tx.send(());
+        });
+        done.recv_timeout(Duration::from_secs(20))
+            .expect("the session ends");
     }
 
     #[test]

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use futures_util::stream::{FuturesUnordered, StreamExt};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{oneshot, watch};
@@ -600,7 +600,7 @@ async fn ping(conn: Arc<PeerConn>, every: Duration) {
 async fn read_loop(
     shared: &Arc<Shared>,
     conn: &Arc<PeerConn>,
-    reader: &mut OwnedReadHalf,
+    reader: &mut (impl AsyncRead + Unpin),
     buf: BytesMut,
     stop: watch::Receiver<bool>,
 ) -> String {
@@ -617,7 +617,7 @@ async fn read_frames<'a>(
     conn: &Arc<PeerConn>,
     local: &'a Arc<dyn crate::backend::Backend>,
     applying: &mut FuturesUnordered<BackendFuture<'a, Message>>,
-    reader: &mut OwnedReadHalf,
+    reader: &mut (impl AsyncRead + Unpin),
     mut buf: BytesMut,
     mut stop: watch::Receiver<bool>,
 ) -> String {
@@ -652,6 +652,32 @@ async fn read_frames<'a>(
             },
         }
     }
+}
+
+/// For the `peer` fuzz target: `input` as the byte stream of a connection from this
+/// node's first peer, in `plan`, read through the same frame loop as a socket's (replies
+/// stay queued: no socket is attached). Answers why the loop ended.
+#[doc(hidden)]
+pub async fn fuzz_read_loop(shared: &Arc<Shared>, plan: Plan, input: &[u8]) -> String {
+    let (_, generations) = shared.local_state();
+    let hello = Hello {
+        version: PROTOCOL_VERSION,
+        resource: shared.resource.name.clone(),
+        node: shared.peers[0].config.name.clone(),
+        size: shared.local.size(),
+        generations,
+        role: if plan == Plan::Target {
+            Role::Primary
+        } else {
+            Role::Secondary
+        },
+        disk: DiskState::UpToDate,
+        protocol: shared.resource.protocol,
+    };
+    let conn = PeerConn::new(&hello, plan);
+    let (_stop, stop) = watch::channel(false);
+    let mut reader = input;
+    read_loop(shared, &conn, &mut reader, BytesMut::new(), stop).await
 }
 
 /// Requests from one peer being applied or answered at once.

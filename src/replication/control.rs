@@ -152,14 +152,16 @@ impl Shared {
 
     /// Ends every peer connection; the dialling side reconnects and both sides run
     /// the hello checks again with their new roles.
-    /// After a promotion: tells every connected peer this node is primary now (so a
-    /// promote there in the reconnect gap is refused), then drops the links so they
-    /// reconnect with the new role.
+    /// After a promotion: tells every peer connected as an idle secondary that this node
+    /// is primary now (so a promote there in the reconnect gap is refused), then drops the
+    /// links so they reconnect with the new role. Only idle links: on a link where the
+    /// peer is this node's resync target (one left from before a demotion), a primary's
+    /// state is its resync's end, and the peer would take it as up to date mid-resync.
     pub fn announce_primary_and_reconnect(&self) {
         let generations = self.meta().superblock().generations;
         for slot in &self.peers {
             let conn = slot.conn.lock().unwrap_or_else(|e| e.into_inner()).clone();
-            if let Some(conn) = conn {
+            if let Some(conn) = conn.filter(|c| c.plan == Plan::Idle) {
                 conn.send(Message::State {
                     role: Role::Primary,
                     disk: DiskState::UpToDate,
@@ -281,9 +283,13 @@ async fn answer(shared: &Shared, request: &str) -> Reply {
         ["status"] => done(Ok(String::new())),
         ["promote"] | ["promote", "--force"] => {
             let force = words.len() == 2;
-            let result = shared.promote(force).map(|()| {
-                shared.announce_primary_and_reconnect();
-                "promoted to primary".to_string()
+            let result = shared.promote(force).map(|promoted| {
+                if promoted {
+                    shared.announce_primary_and_reconnect();
+                    "promoted to primary".to_string()
+                } else {
+                    "already primary".to_string()
+                }
             });
             done(result)
         }

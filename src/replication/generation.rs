@@ -137,11 +137,16 @@ impl Generations {
     }
 }
 
-/// A new random generation identifier (never 0 or [`JUST_CREATED`]).
+/// A new random generation identifier (never 0 or [`JUST_CREATED`]). From `getrandom`,
+/// which needs no file descriptor: a node out of descriptors must still be able to start
+/// a generation when it loses a peer.
 pub fn random_generation() -> std::io::Result<u64> {
-    use std::io::Read;
     let mut bytes = [0u8; 8];
-    std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+    let mut filled = 0;
+    while filled < bytes.len() {
+        filled +=
+            rustix::rand::getrandom(&mut bytes[filled..], rustix::rand::GetRandomFlags::empty())?;
+    }
     // The low bit is set so the value is never one of the small reserved ones.
     Ok(u64::from_le_bytes(bytes) | 1 << 63 | 1)
 }

@@ -203,12 +203,13 @@ impl Shared {
 
     /// Makes this node primary. Refused unless `force` when its data is not known to be
     /// up to date, or when a connected peer's generations show newer data; a
-    /// just-created node gets its first real generation.
-    pub fn promote(&self, force: bool) -> Result<(), String> {
+    /// just-created node gets its first real generation. Answers whether the role changed
+    /// (false: it was primary already, and nothing is done).
+    pub fn promote(&self, force: bool) -> Result<bool, String> {
         let mut meta = self.meta();
         let sb = meta.superblock().clone();
         if self.is_primary() {
-            return Ok(());
+            return Ok(false);
         }
         // Under the metadata lock, as `install`: a primary's hello is either installed
         // before this check (and refuses it) or refused by `install` after it.
@@ -274,7 +275,7 @@ impl Shared {
             generation = format!("{:#x}", meta.superblock().generations.current),
             "promoted to primary"
         );
-        Ok(())
+        Ok(true)
     }
 
     /// Makes this node secondary: new client writes are refused at once, the writes
@@ -390,13 +391,17 @@ impl Shared {
             warn!(peer = %slot.config.name, "peer lost ({why}): going on degraded, {} bytes out of sync", meta.out_of_sync_bytes(slot.index));
             // Writes in flight to the lost peer are acknowledged degraded as soon as this
             // returns: the generation moves on first, not at the next write. A peer that
-            // was in sync holds this node's `current`, so a new one starts even when a
+            // holds this node's `current` gets a new one started even when a
             // bitmap generation is open already (another peer was away): otherwise, were
             // that peer promoted and written, its new generation would name this one's as
             // its bitmap base and hide the split brain, and the resync would overwrite
             // what this node acknowledged alone.
+            // Holding it: in sync, or connected with it (an InSync hello) and lost before
+            // its first bitmap pass ended.
             let others = self.replicating_conns();
-            let started = if conn.synced.load(Ordering::Acquire) {
+            let holds_current = conn.synced.load(Ordering::Acquire)
+                || conn.peer_generations().current == meta.superblock().generations.current;
+            let started = if holds_current {
                 self.start_generation(&mut meta, &others)
             } else {
                 self.start_generation_if_needed(&mut meta, &others)
@@ -424,11 +429,24 @@ impl Shared {
 
     /// Installs a new connection in its slot; as a resync source it takes writes from
     /// now on (the metadata lock orders this against writes choosing their targets).
-    pub fn install(&self, slot: &PeerSlot, conn: Arc<PeerConn>, plan: Plan) -> Result<(), String> {
+    /// `sent_role` is the role this node's hello told the peer: if a promotion came in
+    /// between, the two ends would plan from different roles (the peer idle beside a
+    /// primary it does not know of, free to be promoted too), so the link is refused and
+    /// redone with the new role.
+    pub fn install(
+        &self,
+        slot: &PeerSlot,
+        conn: Arc<PeerConn>,
+        plan: Plan,
+        sent_role: Role,
+    ) -> Result<(), String> {
         let mut meta = self.meta();
         let mut current = slot.conn.lock().unwrap_or_else(|e| e.into_inner());
         if current.is_some() {
             return Err(format!("{} is already connected", slot.config.name));
+        }
+        if self.role() != sent_role {
+            return Err("this node's role changed during the hello; reconnecting".into());
         }
         if plan == Plan::Target && self.is_primary() {
             // Its hello was checked before this node's promotion took the lock.

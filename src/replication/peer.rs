@@ -477,7 +477,9 @@ async fn run_connection(
     let (mut reader, mut writer) = stream.into_split();
     let timeout = shared.resource.peer_timeout;
     let mut out = BytesMut::new();
-    Message::Hello(our_hello(&shared)).encode(&mut out);
+    let ours = our_hello(&shared);
+    let sent_role = ours.role;
+    Message::Hello(ours).encode(&mut out);
     if writer.write_all(&out).await.is_err() {
         return;
     }
@@ -500,7 +502,7 @@ async fn run_connection(
     let checked =
         check_hello(&shared, &hello, expected, addr).and_then(|(index, plan, decision)| {
             let conn = PeerConn::new(&hello, plan);
-            shared.install(&shared.peers[index], Arc::clone(&conn), plan)?;
+            shared.install(&shared.peers[index], Arc::clone(&conn), plan, sent_role)?;
             Ok((index, conn, decision))
         });
     let (index, conn, decision) = match checked {
@@ -558,7 +560,13 @@ async fn run_connection(
         }
         Plan::Idle => None,
     };
-    let why = read_loop(&shared, &conn, &mut reader, buf, stop).await;
+    // Closed already (the disk could not be marked for the resync): frames that came
+    // with the hello must not be applied either.
+    let why = if conn.is_closed() {
+        "closed before its first frame".to_string()
+    } else {
+        read_loop(&shared, &conn, &mut reader, buf, stop).await
+    };
     shared.peer_lost(slot, &conn, &why);
     pinger.abort();
     if let Some(resync) = resync {

@@ -126,20 +126,21 @@ impl TcpSettings {
     }
 
     /// Connects to `addr` with these settings in place before the handshake, from the
-    /// address `from` (any port) when given: a replication peer checks where a connection
-    /// comes from.
+    /// address `from` when given (its port is ignored; an IPv6 scope is kept, as a
+    /// link-local address needs): a replication peer checks where a connection comes from.
     pub async fn connect(
         &self,
         addr: SocketAddr,
-        from: Option<std::net::IpAddr>,
+        from: Option<SocketAddr>,
     ) -> std::io::Result<TcpStream> {
         let socket = match addr {
             SocketAddr::V4(_) => TcpSocket::new_v4()?,
             SocketAddr::V6(_) => TcpSocket::new_v6()?,
         };
         self.tune_unconnected(&socket, &addr.to_string());
-        if let Some(ip) = from {
-            socket.bind(SocketAddr::new(ip, 0))?;
+        if let Some(mut local) = from {
+            local.set_port(0);
+            socket.bind(local)?;
         }
         socket.connect(addr).await
     }

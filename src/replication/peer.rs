@@ -258,29 +258,39 @@ pub async fn run_replication(
 
 async fn dial_loop(shared: Arc<Shared>, index: usize, mut stop: watch::Receiver<bool>) {
     let addr = shared.peers[index].config.replication;
-    // From this node's own replication address, which the peer checks.
+    // From this node's own replication address (with its IPv6 scope), which the peer
+    // checks; a wildcard address, or one of the other family, leaves the choice to the
+    // kernel.
     let from = shared
         .resource
         .node(&shared.node)
         .ok()
-        .map(|me| me.replication.ip())
-        .filter(|ip| !ip.is_unspecified() && ip.is_ipv4() == addr.is_ipv4());
+        .map(|me| me.replication)
+        .filter(|me| !me.ip().is_unspecified() && me.is_ipv4() == addr.is_ipv4());
     let retry = Duration::from_millis(500);
+    let peer = &shared.peers[index].config.name;
+    // The first failure after a success (or at start) is a warning, the retries debug.
+    let mut failing = false;
     loop {
         if *stop.borrow() {
             return;
         }
-        match tokio::time::timeout(shared.resource.peer_timeout, shared.tcp.connect(addr, from))
-            .await
-        {
+        let connecting = shared.tcp.connect(addr, from);
+        let failed = match tokio::time::timeout(shared.resource.peer_timeout, connecting).await {
             Ok(Ok(stream)) => {
+                failing = false;
                 run_connection(Arc::clone(&shared), stream, addr, Some(index), stop.clone()).await;
+                None
             }
-            Ok(Err(e)) => {
-                debug!(peer = %shared.peers[index].config.name, "connecting to {addr}: {e}")
-            }
-            Err(_) => {
-                debug!(peer = %shared.peers[index].config.name, "connecting to {addr} timed out")
+            Ok(Err(e)) => Some(format!("connecting to {addr}: {e}")),
+            Err(_) => Some(format!("connecting to {addr} timed out")),
+        };
+        if let Some(why) = failed {
+            if failing {
+                debug!(%peer, "{why}");
+            } else {
+                warn!(%peer, "{why}; retrying every {retry:?}");
+                failing = true;
             }
         }
         tokio::select! {

@@ -100,8 +100,9 @@ const MAX_STATUS_DESCRIPTORS: usize = crate::backend::MAX_EXTENTS;
 /// alternating holes answered 512 KiB to 1 MiB a reply, and uncounted replies grew one
 /// connection to gigabytes.
 const STATUS_REPLY_BUDGET: u64 = 64 + 16 * MAX_STATUS_DESCRIPTORS as u64;
-/// How long a stopping server waits for a client to read the replies to the requests it
-/// sent before the stop; then the connection is closed (its requests still finish).
+/// How long a stopping server waits while a client's socket takes none of the replies
+/// queued for it; then the connection is closed (its requests still finish). A client
+/// reading slowly, or waiting for a slow backend, is not cut off.
 const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 /// Free room kept in the read buffer before each socket read.
 const READ_ROOM: usize = 256 * 1024;
@@ -290,7 +291,8 @@ impl PartLists {
 }
 
 /// Runs the transmission phase until the client disconnects, breaks the protocol, or the
-/// server stops; every request already read is answered before it returns.
+/// server stops; every request already read is answered before it returns, unless the
+/// server is stopping and the client's socket takes no reply for [`DRAIN_TIMEOUT`].
 pub async fn run<S: Stream>(
     mut stream: S,
     negotiated: Negotiated,
@@ -324,6 +326,7 @@ pub async fn run<S: Stream>(
         front_written: 0,
         held: 0,
         stop_seen: false,
+        drain: None,
         max_merge,
         merging: None,
         part_lists: PartLists::default(),
@@ -338,29 +341,11 @@ pub async fn run<S: Stream>(
         on_device,
         after_large_payload: false,
     };
-    let mut drain_deadline = stop.clone();
     let mut stopped = Box::pin(async move {
         let _ = stop.wait_for(|s| *s).await;
     });
-    let served =
-        std::future::poll_fn(|cx| pipeline.poll(cx, Pin::new(&mut stream), stopped.as_mut()));
-    // A client that does not read its replies would hold the server's stop (and its final
-    // flush) for ever.
-    let cut_off = async {
-        let _ = drain_deadline.wait_for(|s| *s).await;
-        tokio::time::sleep(DRAIN_TIMEOUT).await;
-    };
-    let result = tokio::select! {
-        result = served => result,
-        () = cut_off => {
-            let why = format!(
-                "the client did not read its replies within {DRAIN_TIMEOUT:?} of the server \
-                 stopping: closing the connection"
-            );
-            warn!("{why}");
-            Err(std::io::Error::new(std::io::ErrorKind::TimedOut, why))
-        }
-    };
+    let result =
+        std::future::poll_fn(|cx| pipeline.poll(cx, Pin::new(&mut stream), stopped.as_mut())).await;
     match result {
         Ok(()) => debug!("{}", pipeline.ending),
         Err(e) => {
@@ -502,6 +487,9 @@ struct Pipeline {
     reading: bool,
     /// The client closed its side: requests already buffered are still served.
     eof: bool,
+    /// Once the server is stopping: fires when the socket has taken no reply bytes for
+    /// [`DRAIN_TIMEOUT`] (reset by each write that makes progress).
+    drain: Option<Pin<Box<tokio::time::Sleep>>>,
     /// Why reading stopped.
     ending: String,
     /// Payload bytes of a refused request still to throw away.
@@ -1236,6 +1224,11 @@ impl Pipeline {
 
     /// Retires `n` written bytes from the front of the queue.
     fn consume(&mut self, mut n: usize) {
+        if let Some(drain) = self.drain.as_mut().filter(|_| n > 0) {
+            drain
+                .as_mut()
+                .reset(tokio::time::Instant::now() + DRAIN_TIMEOUT);
+        }
         while let Some(front) = self.outq.front() {
             let len = front.header.len() + front.data_len();
             let left = len - self.front_written;
@@ -1336,11 +1329,34 @@ impl Pipeline {
         mut stream: Pin<&mut S>,
         mut stopped: Pin<&mut F>,
     ) -> Poll<std::io::Result<()>> {
+        if let Some(drain) = self.drain.as_mut() {
+            if drain.as_mut().poll(cx).is_ready() {
+                if !self.outq.is_empty() {
+                    let why = format!(
+                        "the client read none of its replies for {DRAIN_TIMEOUT:?} while the \
+                         server was stopping: closing the connection"
+                    );
+                    warn!("{why}");
+                    return Poll::Ready(Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        why,
+                    )));
+                }
+                // Nothing waits on the client: the backend is slow. Not its fault.
+                drain
+                    .as_mut()
+                    .reset(tokio::time::Instant::now() + DRAIN_TIMEOUT);
+                let _ = drain.as_mut().poll(cx);
+            }
+        }
         for _ in 0..ROUNDS_BEFORE_YIELD {
             let mut progressed = false;
             if !self.stop_seen && stopped.as_mut().poll(cx).is_ready() {
                 self.stop_seen = true;
                 self.stop_reading("the server is stopping");
+                let mut drain = Box::pin(tokio::time::sleep(DRAIN_TIMEOUT));
+                let _ = drain.as_mut().poll(cx);
+                self.drain = Some(drain);
             }
             let wants_bytes =
                 self.discard_left > 0 || self.awaiting_payload.is_some() || self.can_admit();
@@ -3610,6 +3626,35 @@ mod tests {
             stopped_at.elapsed()
         );
         drop(client);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_client_reading_slowly_after_the_stop_gets_every_reply() {
+        let (client, server) = tokio::io::duplex(1 << 16);
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let backend = Arc::new(MemoryBackend::new(64 << 20, false));
+        let (mut client, served) = serve_stoppable(backend, client, server, false, stop_rx).await;
+        for cookie in 0..4 {
+            client
+                .write_all(&request(cmd::READ, 0, cookie, 0, 1 << 20))
+                .await
+                .unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        stop_tx.send(true).unwrap();
+        // 64 KiB a second: the 4 MiB of replies take over a minute, far past the deadline,
+        // but the socket keeps taking bytes.
+        let mut received = 0;
+        let mut chunk = vec![0u8; 64 << 10];
+        loop {
+            match client.read(&mut chunk).await.unwrap() {
+                0 => break,
+                n => received += n,
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        assert_eq!(received, 4 * (16 + (1 << 20)), "every reply, whole");
+        served.await.unwrap();
     }
 
     #[tokio::test]

@@ -305,9 +305,19 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     {
         bail!("listen address {twice} is given twice");
     }
+    // Checked before any export is opened, which may create its file.
+    let max_merge = max_merge(&args)?;
+    let handshake_timeout = handshake_timeout(&args, timeout)?;
+    // Files and sockets this start creates, removed again if it fails after them.
+    let mut leftovers = Leftovers::default();
     let mut opened = Vec::new();
     let mut described = Vec::new();
     for export in exports {
+        if let BackingSpec::Path(path) = &export.backing {
+            if !path.exists() {
+                leftovers.0.push(path.clone());
+            }
+        }
         let backend = export
             .backing
             .open(export.size, export.read_only, export.cache)
@@ -335,8 +345,6 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         });
         opened.push(opened_export);
     }
-    let max_merge = max_merge(&args)?;
-    let handshake_timeout = handshake_timeout(&args, timeout)?;
     let connection_threads = match args.threads {
         Some(threads) => usize::from(threads),
         None => std::thread::available_parallelism().map_or(1, |n| n.get()),
@@ -355,13 +363,11 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         // connection threads start before it too.
         let shutdown = shutdown_signal()?;
         let threads = ConnectionThreads::start(connection_threads)?;
-        // Socket files bound so far are removed if starting fails after them.
-        let mut bound = SocketFiles::default();
         let mut listeners = Vec::new();
         for addr in &addrs {
             let listener = addr.bind(&tcp).await?;
             if let ListenAddr::Unix(path) = addr {
-                bound.0.push(path.clone());
+                leftovers.0.push(path.clone());
             }
             listeners.push(listener);
         }
@@ -374,14 +380,18 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
             )),
             None => None,
         };
-        // From here the server and the control task remove their own files.
-        bound.0.clear();
+        if let Some((_, path)) = &control {
+            leftovers.0.push(path.clone());
+        }
         let mut stdout = std::io::stdout().lock();
         for listener in &listeners {
             writeln!(stdout, "listening on {}", listener.describe())?;
         }
         stdout.flush()?;
         drop(stdout);
+        // Started: from here the server and the control task remove their own sockets,
+        // and the files are the exports'.
+        leftovers.0.clear();
         let clients: Arc<Clients> = Default::default();
         let (stop_control, control_stopped) = tokio::sync::watch::channel(false);
         let control = control.map(|(listener, path)| {
@@ -409,12 +419,12 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     })
 }
 
-/// Unix socket files this start bound, removed when dropped (a start that failed after
-/// binding them); cleared once the server owns them.
+/// Files this start created (a backing file for `--size`, Unix sockets), removed when
+/// dropped: a start that failed after creating them. Cleared once the server runs.
 #[derive(Default)]
-struct SocketFiles(Vec<std::path::PathBuf>);
+struct Leftovers(Vec<std::path::PathBuf>);
 
-impl Drop for SocketFiles {
+impl Drop for Leftovers {
     fn drop(&mut self) {
         for path in &self.0 {
             let _ = std::fs::remove_file(path);

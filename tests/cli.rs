@@ -8,11 +8,30 @@ use std::time::Duration;
 
 use common::*;
 
+/// Runs netblk to its end, within 30 s: a command that should be refused but starts a
+/// server instead fails the test rather than hanging it.
 fn netblk(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_netblk"))
+    use std::process::Stdio;
+    let child = Command::new(env!("CARGO_BIN_EXE_netblk"))
         .args(args)
-        .output()
-        .expect("run netblk")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run netblk");
+    let pid = child.id();
+    let (done_tx, done) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = done_tx.send(child.wait_with_output());
+    });
+    match done.recv_timeout(Duration::from_secs(30)) {
+        Ok(output) => output.expect("run netblk"),
+        Err(_) => {
+            let _ = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+            panic!("netblk {args:?} still running after 30 s");
+        }
+    }
 }
 
 #[test]
@@ -158,9 +177,10 @@ fn size_creates_a_sparse_file_and_never_resizes_an_existing_one() {
         (&["--size", "0"][..], "above zero"),
         (
             &["--size", "1000", "--cache", "none"],
-            "whole number of 512-byte blocks",
+            "not a whole number of",
         ),
-        (&["--size", "8000T"], "sizing"),
+        // Valid, but refused after the file was made: it must go again.
+        (&["--size", "1M", "--max-merge", "64M"], "--max-merge"),
     ] {
         let out = netblk(&[&["serve", "--listen", "127.0.0.1:0"][..], args, &[f]].concat());
         assert!(!out.status.success(), "{args:?}");
@@ -168,6 +188,12 @@ fn size_creates_a_sparse_file_and_never_resizes_an_existing_one() {
         assert!(err.contains(why), "{args:?}: {err}");
         assert!(!fresh.exists(), "{args:?} left the file behind");
     }
+    // Created and opened, then the start fails (its port is taken): removed too.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().to_string();
+    let out = netblk(&["serve", "--listen", &port, "--size", "1M", f]);
+    assert!(!out.status.success());
+    assert!(!fresh.exists(), "a start that failed to bind left its file");
 }
 
 #[test]

@@ -235,12 +235,24 @@ impl Config {
 }
 
 /// Whether two paths name one file: the same device and inode when both exist, else the
-/// same text.
+/// same name in the same (resolved) directory, as for a file `--size` will create.
 fn same_file(a: &std::path::Path, b: &std::path::Path) -> bool {
     use std::os::unix::fs::MetadataExt;
     match (std::fs::metadata(a), std::fs::metadata(b)) {
         (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
-        _ => a == b,
+        _ => resolved(a) == resolved(b),
+    }
+}
+
+/// `path` with its directory resolved (symlinks, `.`, `..`), for a file that may not exist.
+fn resolved(path: &std::path::Path) -> std::path::PathBuf {
+    let directory = match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => std::path::Path::new("."),
+    };
+    match (directory.canonicalize(), path.file_name()) {
+        (Ok(directory), Some(name)) => directory.join(name),
+        _ => path.to_path_buf(),
     }
 }
 
@@ -266,6 +278,17 @@ mod tests {
             e.contains("export[1].backing") && e.contains("export[0]'s backing too"),
             "{e}"
         );
+        // A file neither has created yet, named two ways.
+        let fresh = dir.path().join("fresh.img");
+        let again = dir.path().join(".").join("fresh.img");
+        let text = format!(
+            "[[export]]\nname = \"a\"\nbacking = \"{}\"\nsize = \"1M\"\n\
+             [[export]]\nname = \"b\"\nbacking = \"{}\"\nsize = \"1M\"\n",
+            fresh.display(),
+            again.display()
+        );
+        let e = Config::parse(&text, "test").unwrap_err().to_string();
+        assert!(e.contains("export[0]'s backing too"), "{e}");
     }
 
     #[test]

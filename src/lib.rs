@@ -23,10 +23,12 @@
 //!
 //! The `netblk` binary (`src/main.rs`) is only the command line around [`server::serve`].
 
-// `unsafe` is allowed in four places only: `backend::uring`, where the kernel borrows
+// `unsafe` is allowed in six places only: `backend::uring`, where the kernel borrows
 // buffers; `backend::splice`, for the one system call (`cachestat`) with no safe binding;
-// `backend::page_pool`, which maps memory for huge pages and hands out slices of it; and
-// `server::receive`, which reads from a socket into a buffer's spare room without a copy.
+// `backend::page_pool`, which maps memory for huge pages and hands out slices of it;
+// `backend::mapping`, which maps a cached file for reads; `server::receive`, which reads
+// from a socket into a buffer's spare room without a copy; and `tcp::send_queue_bytes`,
+// the one ioctl (TIOCOUTQ) with no safe binding.
 #![deny(unsafe_code)]
 
 pub mod backend;

@@ -229,6 +229,20 @@ fn set_keepalive(fd: std::os::fd::BorrowedFd<'_>, what: &str) {
     }
 }
 
+/// Bytes in a TCP socket's send queue: written by the server and not yet acknowledged
+/// by the peer, which shrinks as a client that filled its receive window reads. `None`
+/// if the kernel does not say (not a TCP socket).
+#[allow(unsafe_code)]
+pub fn send_queue_bytes(fd: std::os::fd::BorrowedFd<'_>) -> Option<u32> {
+    use std::os::fd::AsRawFd;
+    let mut queued: libc::c_int = 0;
+    // SAFETY: TIOCOUTQ (SIOCOUTQ on a socket) writes one `c_int` through the pointer,
+    // which points at `queued`, alive for the call; the descriptor is borrowed, so open.
+    // Exercised by `send_queue_bytes_shrinks_as_the_peer_reads`.
+    let result = unsafe { libc::ioctl(fd.as_raw_fd(), libc::TIOCOUTQ, &mut queued) };
+    (result == 0).then(|| u32::try_from(queued).ok()).flatten()
+}
+
 fn set_nodelay(fd: std::os::fd::BorrowedFd<'_>, what: &str) {
     if let Err(e) = rustix::net::sockopt::set_tcp_nodelay(fd, true) {
         warn!("TCP_NODELAY for {what}: {e}");
@@ -279,6 +293,39 @@ mod tests {
     }
 
     use super::test_support::algorithm;
+
+    #[test]
+    fn send_queue_bytes_shrinks_as_the_peer_reads() {
+        use std::io::{Read, Write};
+        use std::os::fd::AsFd;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut sender = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (mut receiver, _) = listener.accept().unwrap();
+        // Small buffers, so the peer's window fills and the rest stays queued here.
+        rustix::net::sockopt::set_socket_recv_buffer_size(&receiver, 64 << 10).unwrap();
+        rustix::net::sockopt::set_socket_send_buffer_size(&sender, 256 << 10).unwrap();
+        sender.set_nodelay(true).unwrap();
+        assert_eq!(send_queue_bytes(sender.as_fd()), Some(0));
+        sender.set_nonblocking(true).unwrap();
+        let chunk = vec![7u8; 1 << 16];
+        while sender.write(&chunk).is_ok() {}
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let full = send_queue_bytes(sender.as_fd()).unwrap();
+        assert!(full > 0);
+        // Everything that arrived so far: the window opens and queued bytes go out.
+        receiver.set_nonblocking(true).unwrap();
+        let mut drained = vec![0u8; 1 << 20];
+        for _ in 0..20 {
+            while receiver.read(&mut drained).is_ok_and(|n| n > 0) {}
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let later = send_queue_bytes(sender.as_fd()).unwrap();
+        assert!(later < full, "{later} not below {full}");
+        // Not a socket: no figure.
+        let file = tempfile::tempfile().unwrap();
+        assert_eq!(send_queue_bytes(file.as_fd()), None);
+    }
 
     #[test]
     fn tune_sets_nodelay_and_the_chosen_algorithm() {

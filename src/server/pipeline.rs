@@ -101,7 +101,8 @@ const MAX_STATUS_DESCRIPTORS: usize = crate::backend::MAX_EXTENTS;
 /// connection to gigabytes.
 const STATUS_REPLY_BUDGET: u64 = 64 + 16 * MAX_STATUS_DESCRIPTORS as u64;
 /// How long a stopping server waits while a client's socket takes none of the replies
-/// queued for it; then the connection is closed (its requests still finish). A client
+/// queued for it before it looks at the socket's send queue; if that did not shrink over
+/// one more such period, the connection is closed (its requests still finish). A client
 /// reading slowly, or waiting for a slow backend, is not cut off.
 const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 /// Free room kept in the read buffer before each socket read.
@@ -327,6 +328,7 @@ pub async fn run<S: Stream>(
         held: 0,
         stop_seen: false,
         drain: None,
+        drain_queued: None,
         max_merge,
         merging: None,
         part_lists: PartLists::default(),
@@ -490,6 +492,9 @@ struct Pipeline {
     /// Once the server is stopping: fires when the socket has taken no reply bytes for
     /// [`DRAIN_TIMEOUT`] (reset by each write that makes progress).
     drain: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// The socket's send queue when the drain deadline last fired (`None`: not looked at
+    /// since the last write that made progress).
+    drain_queued: Option<u32>,
     /// Why reading stopped.
     ending: String,
     /// Payload bytes of a refused request still to throw away.
@@ -1228,6 +1233,7 @@ impl Pipeline {
             drain
                 .as_mut()
                 .reset(tokio::time::Instant::now() + DRAIN_TIMEOUT);
+            self.drain_queued = None;
         }
         while let Some(front) = self.outq.front() {
             let len = front.header.len() + front.data_len();
@@ -1331,18 +1337,29 @@ impl Pipeline {
     ) -> Poll<std::io::Result<()>> {
         if let Some(drain) = self.drain.as_mut() {
             if drain.as_mut().poll(cx).is_ready() {
-                if !self.outq.is_empty() {
-                    let why = format!(
-                        "the client read none of its replies for {DRAIN_TIMEOUT:?} while the \
-                         server was stopping: closing the connection"
-                    );
+                // No write made progress for a whole period. The client may still be
+                // reading: over TCP a write succeeds again only once a third of the send
+                // buffer is free, which a slow reader takes longer than that to free. The
+                // socket's send queue says: it shrank since the last look (or this is the
+                // first look), or nothing is queued (the backend is what is slow): another
+                // period. Only a queue that stayed put cuts the connection.
+                let queued = stream.socket_fd().and_then(crate::tcp::send_queue_bytes);
+                let client_reading = match (queued, self.drain_queued) {
+                    (Some(0), _) | (Some(_), None) => true,
+                    (Some(now), Some(before)) => now < before,
+                    (None, _) => false,
+                };
+                if !self.outq.is_empty() && !client_reading {
+                    let why = "the client stopped reading its replies while the server was \
+                               stopping: closing the connection"
+                        .to_string();
                     warn!("{why}");
                     return Poll::Ready(Err(std::io::Error::new(
                         std::io::ErrorKind::TimedOut,
                         why,
                     )));
                 }
-                // Nothing waits on the client: the backend is slow. Not its fault.
+                self.drain_queued = queued;
                 drain
                     .as_mut()
                     .reset(tokio::time::Instant::now() + DRAIN_TIMEOUT);

@@ -308,16 +308,13 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     // Checked before any export is opened, which may create its file.
     let max_merge = max_merge(&args)?;
     let handshake_timeout = handshake_timeout(&args, timeout)?;
-    // Files and sockets this start creates, removed again if it fails after them.
+    // Unix sockets this start binds, removed again if it fails after them. (A backing
+    // file it created stays: whole and of the size asked, the next start takes it; and
+    // "created by this start" cannot be told from a file another start created at once.)
     let mut leftovers = Leftovers::default();
     let mut opened = Vec::new();
     let mut described = Vec::new();
     for export in exports {
-        if let BackingSpec::Path(path) = &export.backing {
-            if !path.exists() {
-                leftovers.0.push(path.clone());
-            }
-        }
         let backend = export
             .backing
             .open(export.size, export.read_only, export.cache)
@@ -389,8 +386,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         }
         stdout.flush()?;
         drop(stdout);
-        // Started: from here the server and the control task remove their own sockets,
-        // and the files are the exports'.
+        // Started: from here the server and the control task remove their own sockets.
         leftovers.0.clear();
         let clients: Arc<Clients> = Default::default();
         let (stop_control, control_stopped) = tokio::sync::watch::channel(false);
@@ -419,8 +415,8 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     })
 }
 
-/// Files this start created (a backing file for `--size`, Unix sockets), removed when
-/// dropped: a start that failed after creating them. Cleared once the server runs.
+/// Unix socket files this start bound, removed when dropped: a start that failed after
+/// binding them. Cleared once the server runs (it removes them as it stops).
 #[derive(Default)]
 struct Leftovers(Vec<std::path::PathBuf>);
 

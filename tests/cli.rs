@@ -188,12 +188,16 @@ fn size_creates_a_sparse_file_and_never_resizes_an_existing_one() {
         assert!(err.contains(why), "{args:?}: {err}");
         assert!(!fresh.exists(), "{args:?} left the file behind");
     }
-    // Created and opened, then the start fails (its port is taken): removed too.
+    // Created and sized, then the start fails (its port is taken): the file stays, whole,
+    // and the next start with the same size takes it.
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = taken.local_addr().unwrap().to_string();
     let out = netblk(&["serve", "--listen", &port, "--size", "1M", f]);
     assert!(!out.status.success());
-    assert!(!fresh.exists(), "a start that failed to bind left its file");
+    assert_eq!(std::fs::metadata(&fresh).unwrap().len(), 1 << 20);
+    drop(taken);
+    let server = Server::start(&["--size", "1M", f]);
+    assert!(server.stop().success());
 }
 
 #[test]

@@ -3615,14 +3615,14 @@ mod tests {
         assert!(sent < 300_000, "{sent} requests were read");
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_client_that_does_not_read_is_cut_off_some_time_after_the_stop() {
+    /// A connection with four 1 MiB reads whose replies its 64 KiB pipe cannot take, and
+    /// the server then told to stop: the client, and the connection's task.
+    async fn stopping_with_replies_queued() -> (DuplexStream, tokio::task::JoinHandle<()>) {
         let (client, server) = tokio::io::duplex(1 << 16);
         let (stop_tx, stop_rx) = watch::channel(false);
         let backend = Arc::new(MemoryBackend::new(64 << 20, false));
         // Simple replies: the holes of the fresh export go out as data, not as hole chunks.
         let (mut client, served) = serve_stoppable(backend, client, server, false, stop_rx).await;
-        // Four 1 MiB reads whose replies the 64 KiB pipe cannot take.
         for cookie in 0..4 {
             client
                 .write_all(&request(cmd::READ, 0, cookie, 0, 1 << 20))
@@ -3632,6 +3632,13 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert!(!served.is_finished(), "the connection waits for its client");
         stop_tx.send(true).unwrap();
+        // The stop was sent: dropping its sender now changes nothing.
+        (client, served)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_does_not_read_is_cut_off_some_time_after_the_stop() {
+        let (client, served) = stopping_with_replies_queued().await;
         let stopped_at = tokio::time::Instant::now();
         tokio::time::timeout(DRAIN_TIMEOUT * 2, served)
             .await
@@ -3647,18 +3654,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_client_reading_slowly_after_the_stop_gets_every_reply() {
-        let (client, server) = tokio::io::duplex(1 << 16);
-        let (stop_tx, stop_rx) = watch::channel(false);
-        let backend = Arc::new(MemoryBackend::new(64 << 20, false));
-        let (mut client, served) = serve_stoppable(backend, client, server, false, stop_rx).await;
-        for cookie in 0..4 {
-            client
-                .write_all(&request(cmd::READ, 0, cookie, 0, 1 << 20))
-                .await
-                .unwrap();
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        stop_tx.send(true).unwrap();
+        let (mut client, served) = stopping_with_replies_queued().await;
         // 64 KiB a second: the 4 MiB of replies take over a minute, far past the deadline,
         // but the socket keeps taking bytes.
         let mut received = 0;

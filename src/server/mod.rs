@@ -4,6 +4,7 @@
 //! shutdown future. On shutdown it stops accepting, lets every connection finish the
 //! requests it has in flight, flushes every export and returns.
 
+mod budget;
 pub mod clients;
 mod coalesce;
 pub mod control;

@@ -326,6 +326,7 @@ pub async fn run<S: Stream>(
         outq: VecDeque::new(),
         front_written: 0,
         held: 0,
+        share: Default::default(),
         stop_seen: false,
         drain: None,
         drain_queued: None,
@@ -507,6 +508,8 @@ struct Pipeline {
     front_written: usize,
     /// Budget bytes held by admitted requests and unsent replies.
     held: u64,
+    /// This connection's part of the server-wide budget (see [`super::budget`]).
+    share: super::budget::BudgetShare,
     stop_seen: bool,
     /// Busy-polls the socket for a moment before sleeping (see [`IdleSpin`]).
     spin: IdleSpin,
@@ -561,10 +564,11 @@ impl Pipeline {
             && self.awaiting_payload.is_none()
     }
 
-    fn can_admit(&self) -> bool {
+    fn can_admit(&mut self) -> bool {
         self.in_flight.len() < MAX_IN_FLIGHT
             && self.held < BYTE_BUDGET
             && self.outq.len() < MAX_QUEUED_REPLIES
+            && self.share.may_admit(self.held)
     }
 
     fn queue_error(&mut self, header: &RequestHeader, error: NbdError) {
@@ -1246,6 +1250,7 @@ impl Pipeline {
             self.front_written = 0;
             let done = self.outq.pop_front().expect("front exists");
             self.held = self.held.saturating_sub(done.release);
+            self.share.release(self.held);
         }
     }
 

@@ -1,23 +1,22 @@
 //! The server-wide byte budget: what all connections together may hold in write payloads
-//! and unsent read data, beyond a share each connection always has.
+//! and unsent read data, beyond one request each.
 //!
 //! Each connection's own budget (`pipeline::BYTE_BUDGET`, 256 MiB) bounds one client, but
 //! not one client with many connections: twelve connections that never read their replies
-//! held 3.2 GB. Now a connection holds up to [`GUARANTEED`] whatever the others do (so
-//! none starves, and each still takes a request of the largest size), and more only from
-//! the shared [`SERVER_BYTE_BUDGET`], taken and given back in [`CHUNK`]s: one atomic
-//! operation per 8 MiB of traffic, none per request.
+//! held 3.2 GB. Now a connection holding nothing may always admit one request (so none
+//! starves, and a request of the largest size is never refused outright), and anything
+//! more comes from the shared [`SERVER_BYTE_BUDGET`], taken and given back in [`CHUNK`]s:
+//! one atomic operation per 8 MiB of traffic, none per request. All connections together
+//! hold at most the shared budget plus one request (up to 32 MiB) each; bounding that too
+//! would take a limit on connections, which no option sets yet.
 //!
-//! A connection refused more waits on its own replies: it holds at least [`GUARANTEED`],
-//! so its own progress wakes it to try again.
+//! A connection refused more waits on its own replies: it holds something, so its own
+//! progress wakes it to try again.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Budget bytes every connection may hold beyond its guaranteed share, together.
+/// Budget bytes all connections together may hold beyond one request each.
 pub const SERVER_BYTE_BUDGET: u64 = 1 << 30;
-/// What a connection may hold whatever the others hold: a request of the largest size
-/// (32 MiB) with room to spare.
-pub const GUARANTEED: u64 = 48 << 20;
 /// The unit in which a connection takes from and gives back to the shared budget.
 pub const CHUNK: u64 = 8 << 20;
 
@@ -47,16 +46,15 @@ impl BudgetShare {
         }
     }
 
-    /// Whether a connection holding `held` bytes may admit another request: below its
-    /// guaranteed share plus what it took from the pool, or after taking from the pool
-    /// the chunks that cover what it holds, if the pool has them. (A request may take a
+    /// Whether a connection holding `held` bytes may admit another request: holding
+    /// nothing, or less than it took from the pool, or after taking from the pool the
+    /// chunks that cover what it holds, if the pool has them. (A request may take a
     /// connection past what it had covered; the next call covers it.)
     pub fn may_admit(&mut self, held: u64) -> bool {
-        let covered = GUARANTEED + self.taken;
-        if held < covered {
+        if held == 0 || held < self.taken {
             return true;
         }
-        let want = (held + 1 - covered).div_ceil(CHUNK) * CHUNK;
+        let want = (held + 1 - self.taken).div_ceil(CHUNK) * CHUNK;
         let before = self.pool.fetch_add(want, Ordering::AcqRel);
         if before + want > self.limit {
             self.pool.fetch_sub(want, Ordering::AcqRel);
@@ -69,7 +67,7 @@ impl BudgetShare {
     /// The connection now holds `held` bytes: chunks it no longer needs (keeping one
     /// spare, so a steady flow does not take and give back the same chunk) go back.
     pub fn release(&mut self, held: u64) {
-        while self.taken >= CHUNK && held + 2 * CHUNK <= GUARANTEED + self.taken {
+        while self.taken >= CHUNK && held + 2 * CHUNK <= self.taken {
             self.taken -= CHUNK;
             self.pool.fetch_sub(CHUNK, Ordering::AcqRel);
         }
@@ -87,40 +85,34 @@ mod tests {
     use super::*;
 
     #[test]
-    fn connections_share_the_pool_beyond_their_guaranteed_part() {
+    fn connections_share_the_pool_and_one_holding_nothing_is_never_refused() {
         static POOL: AtomicU64 = AtomicU64::new(0);
         let limit = 3 * CHUNK;
         let mut first = BudgetShare::of(&POOL, limit);
         let mut second = BudgetShare::of(&POOL, limit);
-        // Below the guaranteed part nothing is taken from the pool.
-        assert!(first.may_admit(GUARANTEED - 1));
+        // Holding nothing, a request is admitted without the pool.
+        assert!(first.may_admit(0));
         assert_eq!(POOL.load(Ordering::Acquire), 0);
-        // Past it, chunks come from the pool until it is spent.
-        assert!(first.may_admit(GUARANTEED));
-        assert!(first.may_admit(GUARANTEED + CHUNK));
-        assert!(second.may_admit(GUARANTEED));
+        // Holding something, chunks covering it come from the pool until it is spent.
+        assert!(first.may_admit(1));
+        assert!(first.may_admit(CHUNK));
+        assert!(second.may_admit(CHUNK - 1));
         assert_eq!(POOL.load(Ordering::Acquire), 3 * CHUNK);
-        assert!(!second.may_admit(GUARANTEED + CHUNK), "the pool is spent");
-        assert!(!first.may_admit(GUARANTEED + 2 * CHUNK));
-        // A connection the pool refuses still admits within its guaranteed part.
+        assert!(!second.may_admit(CHUNK), "the pool is spent");
+        assert!(!first.may_admit(2 * CHUNK));
+        // A connection the pool refuses still admits when it holds nothing.
         let mut third = BudgetShare::of(&POOL, limit);
         assert!(third.may_admit(0));
-        // A request that took the holder far past what it had covered is covered whole
-        // at the next call, or refused.
-        let mut fourth = BudgetShare::of(&POOL, limit);
-        assert!(
-            !fourth.may_admit(GUARANTEED + 4 * CHUNK),
-            "more than the pool holds"
-        );
-        assert_eq!(fourth.taken, 0);
+        // One far past what it covered is covered whole at the next call, or refused.
+        assert!(!third.may_admit(4 * CHUNK), "more than the pool holds");
+        assert_eq!(third.taken, 0);
         // Given back as the holder drains, one chunk kept spare; all of it when dropped.
-        first.release(GUARANTEED);
+        first.release(0);
         assert_eq!(first.taken, CHUNK);
-        assert!(second.may_admit(GUARANTEED + CHUNK));
+        assert!(second.may_admit(CHUNK));
         drop(first);
         drop(second);
         drop(third);
-        drop(fourth);
         assert_eq!(POOL.load(Ordering::Acquire), 0);
     }
 }

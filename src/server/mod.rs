@@ -137,6 +137,12 @@ pub async fn serve_on(
     for task in accept_tasks {
         let _ = task.await;
     }
+    // Gone now, not after the connections drain (which may take a while): a server
+    // started meanwhile on the same path binds a new socket there, which a late unlink
+    // would take from under it.
+    for path in unix_paths {
+        let _ = std::fs::remove_file(path);
+    }
     let _ = alive_rx.recv().await;
     let mut unflushed = Vec::new();
     for export in &config.exports {
@@ -144,9 +150,6 @@ pub async fn serve_on(
             error!(export = %export.name, "final flush failed: {e}");
             unflushed.push(format!("{:?}", export.name));
         }
-    }
-    for path in unix_paths {
-        let _ = std::fs::remove_file(path);
     }
     if let Some(threads) = threads {
         // Joining the threads blocks; every connection on them has ended.

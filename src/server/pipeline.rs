@@ -100,6 +100,10 @@ const MAX_STATUS_DESCRIPTORS: usize = crate::backend::MAX_EXTENTS;
 /// alternating holes answered 512 KiB to 1 MiB a reply, and uncounted replies grew one
 /// connection to gigabytes.
 const STATUS_REPLY_BUDGET: u64 = 64 + 16 * MAX_STATUS_DESCRIPTORS as u64;
+/// How long after the stop a connection is given at most once its socket has taken no
+/// reply for [`DRAIN_TIMEOUT`]: a client that frees a segment of its window per period
+/// would otherwise hold the stop for ever.
+const MAX_DRAIN: std::time::Duration = std::time::Duration::from_secs(300);
 /// How long a stopping server waits while a client's socket takes none of the replies
 /// queued for it before it looks at the socket's send queue; if that did not shrink over
 /// one more such period, the connection is closed (its requests still finish). A client
@@ -330,6 +334,7 @@ pub async fn run<S: Stream>(
         stop_seen: false,
         drain: None,
         drain_queued: None,
+        drain_since: None,
         max_merge,
         merging: None,
         part_lists: PartLists::default(),
@@ -496,6 +501,8 @@ struct Pipeline {
     /// The socket's send queue when the drain deadline last fired (`None`: not looked at
     /// since the last write that made progress).
     drain_queued: Option<u32>,
+    /// When the server began stopping.
+    drain_since: Option<tokio::time::Instant>,
     /// Why reading stopped.
     ending: String,
     /// Payload bytes of a refused request still to throw away.
@@ -1354,6 +1361,12 @@ impl Pipeline {
                     (Some(now), Some(before)) => now < before,
                     (None, _) => false,
                 };
+                // However slowly a client reads, the stop ends: a client taking one segment
+                // per period would otherwise hold it for ever.
+                let too_long = self
+                    .drain_since
+                    .is_some_and(|since| since.elapsed() >= MAX_DRAIN);
+                let client_reading = client_reading && !too_long;
                 if !self.outq.is_empty() && !client_reading {
                     let why = "the client stopped reading its replies while the server was \
                                stopping: closing the connection"
@@ -1379,6 +1392,7 @@ impl Pipeline {
                 let mut drain = Box::pin(tokio::time::sleep(DRAIN_TIMEOUT));
                 let _ = drain.as_mut().poll(cx);
                 self.drain = Some(drain);
+                self.drain_since = Some(tokio::time::Instant::now());
             }
             let wants_bytes =
                 self.discard_left > 0 || self.awaiting_payload.is_some() || self.can_admit();

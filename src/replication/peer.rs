@@ -677,20 +677,11 @@ async fn read_frames<'a>(
 /// stay queued: no socket is attached). Answers why the loop ended.
 #[doc(hidden)]
 pub async fn fuzz_read_loop(shared: &Arc<Shared>, plan: Plan, input: &[u8]) -> String {
-    let (_, generations) = shared.local_state();
+    // A connection takes only the peer's name and generations from its hello: the peer
+    // holds this node's, as after an InSync hello.
     let hello = Hello {
-        version: PROTOCOL_VERSION,
-        resource: shared.resource.name.clone(),
         node: shared.peers[0].config.name.clone(),
-        size: shared.local.size(),
-        generations,
-        role: if plan == Plan::Target {
-            Role::Primary
-        } else {
-            Role::Secondary
-        },
-        disk: DiskState::UpToDate,
-        protocol: shared.resource.protocol,
+        ..our_hello(shared)
     };
     let conn = PeerConn::new(&hello, plan);
     let (_stop, stop) = watch::channel(false);

@@ -34,6 +34,7 @@ fn run_connection(input: Vec<u8>) {
             exports: vec![export],
             handshake_timeout: Duration::from_secs(5),
             max_merge: crate::server::DEFAULT_MAX_MERGE,
+            max_connections: crate::server::DEFAULT_MAX_CONNECTIONS,
             tcp: crate::tcp::TcpSettings::default(),
             clients: Default::default(),
         });

@@ -364,6 +364,7 @@ mod tests {
                     })],
                     handshake_timeout: Duration::from_secs(10),
                     max_merge: DEFAULT_MAX_MERGE,
+                    max_connections: crate::server::DEFAULT_MAX_CONNECTIONS,
                     tcp: crate::tcp::TcpSettings::default(),
                     clients: Default::default(),
                 };

@@ -52,6 +52,10 @@ pub static FAILED_REQUESTS: LogLimit = LogLimit::new();
 /// broken or hostile client can send as fast as the socket carries them), server-wide.
 pub static REFUSED_REQUESTS: LogLimit = LogLimit::new();
 
+/// Warnings about connections closed because the server serves its most already (a
+/// client reconnecting in a loop would otherwise log a line per attempt), server-wide.
+pub static REFUSED_CONNECTIONS: LogLimit = LogLimit::new();
+
 impl LogLimit {
     pub const fn new() -> LogLimit {
         LogLimit {

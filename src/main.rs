@@ -13,7 +13,10 @@ use netblk::config::{Config, ExportConfig};
 use netblk::listen::ListenAddr;
 use netblk::server::clients::Clients;
 use netblk::server::control::{run_control, ExportDescription, ServerState};
-use netblk::server::{serve_on, ConnectionThreads, Export, ServerConfig, DEFAULT_MAX_MERGE};
+use netblk::server::{
+    serve_on, ClientOptions, ConnectionThreads, Export, ServerConfig, DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_MERGE,
+};
 use netblk::size::parse_size;
 use netblk::tcp::TcpSettings;
 use netblk::wire::MAX_PAYLOAD;
@@ -149,6 +152,13 @@ struct ServeArgs {
     /// (0 turns merging off). Default 256K. Example: --max-merge 1M
     #[arg(long, value_name = "SIZE")]
     max_merge: Option<String>,
+
+    /// Clients served at once, counting those still negotiating; one more is closed as
+    /// soon as it connects (and logged). With the byte budget all connections share, this
+    /// bounds the memory clients can make the server hold: 1 GiB plus 32 MiB per
+    /// connection. Default 128. Example: --max-connections 512
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    max_connections: Option<u32>,
 
     /// With a resource file (--config with a [resource] table): which node this is.
     /// Example: --config r0.toml --node alpha
@@ -306,8 +316,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         bail!("listen address {twice} is given twice");
     }
     // Checked before any export is opened, which may create its file.
-    let max_merge = max_merge(&args)?;
-    let handshake_timeout = handshake_timeout(&args, timeout)?;
+    let client_options = client_options(&args, timeout)?;
     // Unix sockets this start binds, removed again if it fails after them. (A backing
     // file it created stays: whole and of the size asked, the next start takes it; and
     // "created by this start" cannot be told from a file another start created at once.)
@@ -400,8 +409,9 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         });
         let config = ServerConfig {
             exports: opened,
-            handshake_timeout,
-            max_merge,
+            handshake_timeout: client_options.handshake_timeout,
+            max_merge: client_options.max_merge,
+            max_connections: client_options.max_connections,
             tcp,
             clients,
         };
@@ -441,6 +451,21 @@ fn receive_buffer(tcp: TcpSettings, args: &ServeArgs) -> anyhow::Result<TcpSetti
     Ok(tcp.with_receive_buffer(bytes))
 }
 
+/// The options for NBD clients, checked: `--handshake-timeout` (else the config file's,
+/// `from_config`), `--max-merge`, `--max-connections`, each else its default.
+fn client_options(
+    args: &ServeArgs,
+    from_config: Option<Duration>,
+) -> anyhow::Result<ClientOptions> {
+    Ok(ClientOptions {
+        handshake_timeout: handshake_timeout(args, from_config)?,
+        max_merge: max_merge(args)?,
+        max_connections: args
+            .max_connections
+            .map_or(DEFAULT_MAX_CONNECTIONS, |n| n as usize),
+    })
+}
+
 /// `--max-merge`, checked, or its default.
 fn max_merge(args: &ServeArgs) -> anyhow::Result<u32> {
     let Some(text) = &args.max_merge else {
@@ -478,8 +503,7 @@ fn run_replicated(args: &ServeArgs, path: &std::path::Path) -> anyhow::Result<()
     if !args.listen.is_empty() {
         bail!("--listen does not apply to a resource file: each node's listen address is in it");
     }
-    let handshake_timeout = handshake_timeout(args, None)?;
-    let max_merge = max_merge(args)?;
+    let client_options = client_options(args, None)?;
     let tcp = receive_buffer(TcpSettings::choose(args.tcp_congestion.as_deref())?, args)?;
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
     if let Some(threads) = args.threads {
@@ -490,16 +514,7 @@ fn run_replicated(args: &ServeArgs, path: &std::path::Path) -> anyhow::Result<()
     runtime.block_on(async move {
         let shutdown = shutdown_signal()?;
         let powercut = args.fault_injection.as_deref() == Some("powercut");
-        let node = Node::bind(
-            resource,
-            &name,
-            primary,
-            handshake_timeout,
-            max_merge,
-            powercut,
-            tcp,
-        )
-        .await?;
+        let node = Node::bind(resource, &name, primary, client_options, powercut, tcp).await?;
         let mut stdout = std::io::stdout().lock();
         writeln!(stdout, "listening on {}", node.client_listener())?;
         writeln!(stdout, "replicating on {}", node.replication_listener())?;

@@ -181,6 +181,7 @@ fn allocations_per_request(backend: Arc<dyn Backend>, kind: Kind, load: &Load) -
             })],
             handshake_timeout: std::time::Duration::from_secs(10),
             max_merge: DEFAULT_MAX_MERGE,
+            max_connections: netblk::server::DEFAULT_MAX_CONNECTIONS,
             tcp: Default::default(),
             clients: Default::default(),
         };

@@ -969,7 +969,11 @@ fn breaking_connections_never_disturb_clients_that_verify_their_data() {
         &["--cache", "none", "--size", "48M", backing],
     ];
     for args in modes {
-        let mut server = Server::start(args);
+        // The breakers open a connection every few milliseconds, and one that asked for a
+        // 32 MiB read is retired only once that read is done: on a loaded machine over a
+        // hundred wait to end at once, more than the default --max-connections.
+        let limit = ["--max-connections", "4096"];
+        let mut server = Server::start(&[&limit[..], args].concat());
         let clients = std::process::Command::new("/usr/bin/python3")
             .arg("-c")
             .arg(VERIFYING_CLIENTS)
@@ -1002,8 +1006,9 @@ fn breaking_connections_never_disturb_clients_that_verify_their_data() {
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(
             out.status.success() && stdout.starts_with("ok "),
-            "{args:?}: {stdout}{}",
-            String::from_utf8_lossy(&out.stderr)
+            "{args:?}: {stdout}{}\nserver log:\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            server.stderr()
         );
         assert!(broken > 20, "{args:?}: only {broken} broken connections");
         eprintln!("{args:?}: {}, {broken} broken connections", stdout.trim());
@@ -1289,4 +1294,50 @@ fn rule10_extended_headers_carry_64_bit_lengths_and_echo_offsets() {
     raw.request(cmd::TRIM, 0, 14, GIB, 6 * GIB, &[]);
     assert_eq!(raw.reply(0).unwrap().error, 0);
     assert_usable(&mut raw, 7 * GIB, 7);
+}
+
+/// Rule 11: past `--max-connections` (counting clients still negotiating), a new
+/// connection is closed at once and logged; the clients already there go on, and a place
+/// freed by one that leaves is taken by the next.
+#[test]
+fn rule11_a_connection_past_the_limit_is_closed_and_the_others_go_on() {
+    let server = Server::start(&["--max-connections", "2", "memory:64M"]);
+    let mut transmitting = Raw::session(server.tcp(), Mode::Structured);
+    let negotiating = Raw::hello(server.tcp());
+
+    let mut third = Raw::from_socket(TcpStream::connect(server.tcp()).expect("connect"));
+    let closed = third.wait_closed(Duration::from_secs(3));
+    assert!(
+        matches!(
+            closed,
+            common::raw::Closed::Eof | common::raw::Closed::Reset
+        ),
+        "the third connection got {closed:?}, not closed before its greeting"
+    );
+    assert!(
+        logged_line(&server, &["2 connections are served already"]).is_some(),
+        "the refusal is not logged:\n{}",
+        server.stderr()
+    );
+    assert_usable(&mut transmitting, 0, 1);
+
+    drop(negotiating);
+    // The server sees the close when it next reads that socket: give it a moment.
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let mut next = loop {
+        let mut raw = Raw::from_socket(TcpStream::connect(server.tcp()).expect("connect"));
+        if let Some(greeting) = raw.read_n(18) {
+            assert_eq!(&greeting[8..16], &IHAVEOPT.to_be_bytes(), "IHAVEOPT");
+            break raw;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no place freed 3 s after a client left"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    next.send(&(client_flags::FIXED_NEWSTYLE | client_flags::NO_ZEROES).to_be_bytes());
+    assert_eq!(next.go("").last().unwrap().reply_type, rep::ACK);
+    assert_usable(&mut next, 4096, 2);
+    assert_usable(&mut transmitting, 8192, 3);
 }

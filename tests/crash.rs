@@ -127,6 +127,7 @@ fn acknowledged_writes_survive_a_power_cut_that_keeps_any_subset_of_the_cache() 
                     })],
                     handshake_timeout: Duration::from_secs(10),
                     max_merge: DEFAULT_MAX_MERGE,
+                    max_connections: netblk::server::DEFAULT_MAX_CONNECTIONS,
                     tcp: TcpSettings::default(),
                     clients: Default::default(),
                 };

@@ -15,7 +15,7 @@ use super::control::run_control;
 use super::layer::{ReplicatedBackend, Shared};
 use super::meta::Metadata;
 use super::peer::run_replication;
-use crate::server::{serve, Export, Listener, ServerConfig};
+use crate::server::{serve, ClientOptions, Export, Listener, ServerConfig};
 use crate::tcp::TcpSettings;
 
 /// A node with its listeners bound, ready to serve.
@@ -25,21 +25,19 @@ pub struct Node {
     clients: Listener,
     control: UnixListener,
     control_path: PathBuf,
-    handshake_timeout: Duration,
-    max_merge: u32,
+    client_options: ClientOptions,
 }
 
 impl Node {
     /// Opens node `name` of `resource` and binds its listeners; with `primary` it is
     /// promoted first (refused if its data may be older than a peer's). `powercut` puts the
     /// fault-injection cache of `--fault-injection powercut` over the backing; the client
-    /// listener uses `handshake_timeout` and `max_merge` as a plain server does.
+    /// listener uses `client_options` as a plain server does.
     pub async fn bind(
         resource: ResourceConfig,
         name: &str,
         primary: bool,
-        handshake_timeout: Duration,
-        max_merge: u32,
+        client_options: ClientOptions,
         powercut: bool,
         tcp: TcpSettings,
     ) -> anyhow::Result<Node> {
@@ -87,8 +85,7 @@ impl Node {
             clients,
             control,
             control_path: me.control,
-            handshake_timeout,
-            max_merge,
+            client_options,
         })
     }
 
@@ -132,8 +129,9 @@ impl Node {
         });
         let config = ServerConfig {
             exports: vec![export],
-            handshake_timeout: self.handshake_timeout,
-            max_merge: self.max_merge,
+            handshake_timeout: self.client_options.handshake_timeout,
+            max_merge: self.client_options.max_merge,
+            max_connections: self.client_options.max_connections,
             tcp: self.shared.tcp.clone(),
             clients: Default::default(),
         };
@@ -186,8 +184,11 @@ mod tests {
             resource,
             "alpha",
             false,
-            Duration::from_secs(5),
-            crate::server::DEFAULT_MAX_MERGE,
+            ClientOptions {
+                handshake_timeout: Duration::from_secs(5),
+                max_merge: crate::server::DEFAULT_MAX_MERGE,
+                max_connections: crate::server::DEFAULT_MAX_CONNECTIONS,
+            },
             false,
             tcp,
         )

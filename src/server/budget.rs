@@ -7,8 +7,8 @@
 //! starves, and a request of the largest size is never refused outright), and anything
 //! more comes from the shared [`SERVER_BYTE_BUDGET`], taken and given back in [`CHUNK`]s:
 //! one atomic operation per 8 MiB of traffic, none per request. All connections together
-//! hold at most the shared budget plus one request (up to 32 MiB) each; bounding that too
-//! would take a limit on connections, which no option sets yet.
+//! hold at most the shared budget plus one request (up to 32 MiB) each, and
+//! `--max-connections` (default 128) bounds how many they are: 5 GiB in all by default.
 //!
 //! A connection refused more waits on its own replies: it holds something, so its own
 //! progress wakes it to try again.

@@ -34,10 +34,15 @@ pub struct ClientStatus {
 }
 
 impl Clients {
-    /// Registers a connection from `peer`; it is listed until the slot is dropped.
-    pub fn join(self: &Arc<Self>, peer: String) -> ClientSlot {
+    /// Registers a connection from `peer`, unless `limit` connections are registered
+    /// already; it is listed until the slot is dropped.
+    pub fn join(self: &Arc<Self>, peer: String, limit: usize) -> Option<ClientSlot> {
+        let mut table = self.table();
+        if table.len() >= limit {
+            return None;
+        }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        self.table().insert(
+        table.insert(
             id,
             Client {
                 peer,
@@ -45,10 +50,10 @@ impl Clients {
                 since: Instant::now(),
             },
         );
-        ClientSlot {
+        Some(ClientSlot {
             clients: Arc::clone(self),
             id,
-        }
+        })
     }
 
     /// Every connection, oldest first.
@@ -98,8 +103,8 @@ mod tests {
     #[test]
     fn a_slot_is_listed_with_its_export_until_it_is_dropped() {
         let clients = Arc::new(Clients::default());
-        let first = clients.join("127.0.0.1:1000".into());
-        let second = clients.join("unix".into());
+        let first = clients.join("127.0.0.1:1000".into(), 2).unwrap();
+        let second = clients.join("unix".into(), 2).unwrap();
         second.transmitting("disk0");
         let peers = |c: &Clients| {
             c.list()
@@ -121,5 +126,16 @@ mod tests {
         );
         drop(second);
         assert!(clients.list().is_empty());
+    }
+
+    #[test]
+    fn a_full_table_refuses_until_a_slot_is_dropped() {
+        let clients = Arc::new(Clients::default());
+        let first = clients.join("a".into(), 2).unwrap();
+        let _second = clients.join("b".into(), 2).unwrap();
+        assert!(clients.join("c".into(), 2).is_none());
+        assert_eq!(clients.list().len(), 2);
+        drop(first);
+        assert!(clients.join("c".into(), 2).is_some());
     }
 }

@@ -131,9 +131,9 @@ mod tests {
             clients: Arc::clone(&clients),
             started: Instant::now(),
         };
-        let on_a = clients.join("127.0.0.1:1".into());
+        let on_a = clients.join("127.0.0.1:1".into(), 8).unwrap();
         on_a.transmitting("a");
-        let _negotiating = clients.join("127.0.0.1:2".into());
+        let _negotiating = clients.join("127.0.0.1:2".into(), 8).unwrap();
         let status = state.status();
         let summary: Vec<_> = status
             .exports

@@ -35,6 +35,7 @@ use tracing::{error, info, warn, Instrument};
 use self::clients::{ClientSlot, Clients};
 use crate::backend::uring::LoneThread;
 use crate::backend::Backend;
+use crate::log_limit::{warn_limited, REFUSED_CONNECTIONS};
 use crate::tcp::TcpSettings;
 
 /// One exported device.
@@ -62,6 +63,10 @@ pub struct ServerConfig {
     /// Adjacent reads that arrive together are served by one backend read of up to this
     /// many bytes (0: never merge).
     pub max_merge: u32,
+    /// Connections served at once, negotiating or transmitting; one more is closed as soon
+    /// as it is accepted. With the shared byte budget this bounds what clients can make
+    /// the server hold (see [`budget`]).
+    pub max_connections: usize,
     /// Settings for accepted TCP connections whose listener did not already give them
     /// (listeners from [`crate::listen::ListenAddr::bind`] did).
     pub tcp: TcpSettings,
@@ -69,8 +74,25 @@ pub struct ServerConfig {
     pub clients: Arc<Clients>,
 }
 
+/// The settings a plain server and a replicated node take alike from the command line
+/// for their NBD clients.
+#[derive(Clone, Copy, Debug)]
+pub struct ClientOptions {
+    /// [`ServerConfig::handshake_timeout`].
+    pub handshake_timeout: Duration,
+    /// [`ServerConfig::max_merge`].
+    pub max_merge: u32,
+    /// [`ServerConfig::max_connections`].
+    pub max_connections: usize,
+}
+
 /// The default for [`ServerConfig::max_merge`] (see ARCHITECTURE.md for the measurement).
 pub const DEFAULT_MAX_MERGE: u32 = 256 * 1024;
+
+/// The default for [`ServerConfig::max_connections`]: far more than multi-connection
+/// clients open (nbdcopy 4, the kernel's driver one per CPU), while what all of them can
+/// make the server hold stays bounded: 1 GiB shared plus 32 MiB each, 5 GiB in all.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 128;
 
 /// A bound listening socket.
 pub enum Listener {
@@ -182,10 +204,20 @@ async fn accept_loop(
         };
         match accepted {
             Ok((stream, peer)) => {
+                let Some(client) = config.clients.join(peer.clone(), config.max_connections) else {
+                    warn_limited!(
+                        REFUSED_CONNECTIONS,
+                        %peer,
+                        "connection closed: {} connections are served already (--max-connections)",
+                        config.max_connections
+                    );
+                    drop(stream);
+                    continue;
+                };
                 let span = tracing::info_span!("conn", %peer);
                 let alive = Alive {
                     _done: alive.clone(),
-                    client: Some(config.clients.join(peer)),
+                    client: Some(client),
                 };
                 let (config, stop) = (Arc::clone(&config), stop.clone());
                 match &threads {

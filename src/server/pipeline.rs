@@ -2966,6 +2966,7 @@ mod tests {
             exports: vec![export],
             handshake_timeout: Duration::from_secs(5),
             max_merge: crate::server::DEFAULT_MAX_MERGE,
+            max_connections: crate::server::DEFAULT_MAX_CONNECTIONS,
             tcp: crate::tcp::TcpSettings::default(),
             clients: Default::default(),
         });

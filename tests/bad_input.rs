@@ -25,6 +25,7 @@ use netblk::wire::{
 const EPERM: u32 = 1;
 const EINVAL: u32 = 22;
 const ENOSPC: u32 = 28;
+const EOVERFLOW: u32 = 75;
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 /// The cookie of every decoy request hidden in refused payloads.
@@ -422,7 +423,7 @@ fn rule2_a_malformed_set_meta_context_also_clears_the_selection() {
 }
 
 /// Rule 3: READ and WRITE above the advertised maximum payload (32 MiB) are refused with
-/// EINVAL; the refused write's payload is consumed, so the stream stays in step, and it is
+/// EINVAL (a READ with chunked replies with EOVERFLOW); the refused write's payload is consumed, so the stream stays in step, and it is
 /// discarded rather than buffered: a 200 MiB payload barely moves the server's peak RSS.
 #[test]
 fn rule3_above_the_maximum_is_einval_and_the_payload_is_discarded() {
@@ -455,7 +456,14 @@ fn rule3_above_the_maximum_is_einval_and_the_payload_is_discarded() {
         // One byte over the limit, well inside the export: the limit is what refuses it.
         let over = u64::from(MAX_PAYLOAD) + 1;
         raw.request(cmd::READ, 0, 20, 0, over, &[]);
-        expect_error(&mut raw, 20, over as usize, EINVAL, "READ of 32 MiB + 1");
+        // With chunked replies the spec bounds no read by the maximum payload, and lets a
+        // server refuse a large one with EOVERFLOW (the hint to retry smaller).
+        let expected = if mode == Mode::Simple {
+            EINVAL
+        } else {
+            EOVERFLOW
+        };
+        expect_error(&mut raw, 20, over as usize, expected, "READ of 32 MiB + 1");
         assert_usable(&mut raw, 8192, 3);
 
         let len = MAX_PAYLOAD as usize + 4096;
@@ -787,6 +795,17 @@ fn rule6_handshake_violations_drop_and_bad_options_are_answered() {
     assert_eq!(go.last().unwrap().reply_type, rep::ACK, "{go:?}");
     assert_eq!(raw.size, 64 * MIB);
     assert_usable(&mut raw, 0, 6);
+
+    // NBD_OPT_ABORT is acknowledged and ends the session whatever data it carries.
+    let mut raw = Raw::hello(server.tcp());
+    raw.send_option(opt::ABORT, &long);
+    expect(
+        &mut raw,
+        opt::ABORT,
+        rep::ACK,
+        "ABORT with 70,000 bytes of data",
+    );
+    assert!(raw.is_closed(), "still open after ABORT");
 }
 
 /// Rule 7: a client that stalls in the handshake is dropped after the handshake timeout and

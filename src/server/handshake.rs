@@ -288,6 +288,11 @@ where
             if skipped < u64::from(header.length) {
                 return Err(closed(std::io::ErrorKind::UnexpectedEof.into()));
             }
+            if header.option == crate::wire::opt::ABORT {
+                // Its data is ignored whatever its size (the spec: the server replies ACK).
+                let _ = send_replies(stream, &[OptionReply::ack(header.option)]).await;
+                return Err(NegotiationEnd::Aborted);
+            }
             if header.option == crate::wire::opt::EXPORT_NAME {
                 // It has no error reply.
                 return Err(NegotiationEnd::BadExportName("longer than any name".into()));

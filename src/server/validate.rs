@@ -83,7 +83,13 @@ pub fn validate(h: &RequestHeader, limits: &Limits) -> Result<Command, NbdError>
         return Err(NbdError::Perm);
     }
     if matches!(h.command, cmd::READ | cmd::WRITE) && h.length > u64::from(MAX_PAYLOAD) {
-        return Err(NbdError::Inval);
+        // A read with chunked replies is not bound by the maximum payload in the spec, which
+        // lets a server refuse it up front with EOVERFLOW: the hint to retry smaller.
+        return Err(if h.command == cmd::READ && limits.chunked_replies {
+            NbdError::Overflow
+        } else {
+            NbdError::Inval
+        });
     }
     let in_range = h
         .offset
@@ -249,14 +255,26 @@ mod tests {
     }
 
     #[test]
-    fn oversized_payloads_are_einval() {
+    fn oversized_payloads_are_einval_and_chunked_reads_eoverflow() {
         let big = u64::from(MAX_PAYLOAD) + 1;
-        let limits = Limits {
+        let chunked = Limits {
             size: 1 << 40,
             ..LIMITS
         };
+        let limits = Limits {
+            chunked_replies: false,
+            ..chunked
+        };
         assert_eq!(
             validate(&req(cmd::READ, 0, 0, big), &limits),
+            Err(NbdError::Inval)
+        );
+        assert_eq!(
+            validate(&req(cmd::READ, 0, 0, big), &chunked),
+            Err(NbdError::Overflow)
+        );
+        assert_eq!(
+            validate(&req(cmd::WRITE, 0, 0, big), &chunked),
             Err(NbdError::Inval)
         );
         assert_eq!(

@@ -1829,7 +1829,9 @@ fn read_piece_replies(
 
 /// Makes a [`LaterPiece`] at the front of the queue ready to send: spliced into a pipe
 /// when it can be, else read by copying (`Pending` until that read completes). A failed
-/// read is an error for the connection: the reply's header, saying there was none, is out.
+/// read becomes an error chunk for its range when the reply is chunked (the reply's final
+/// chunk is queued behind it); with a simple reply it is an error for the connection, as
+/// the reply's header, saying there was none, is out.
 fn poll_later_piece(
     backend: &Arc<dyn Backend>,
     splice: bool,
@@ -1876,6 +1878,13 @@ fn poll_later_piece(
         Poll::Ready(Ok(read)) => {
             chunk_header(later, &mut message.header);
             message.data = Some(read.data);
+            boxes.done(message);
+            Poll::Ready(Ok(()))
+        }
+        Poll::Ready(Err(e)) if later.chunk.is_some() => {
+            warn_limited!(FAILED_REQUESTS, "{e}");
+            let enc = later.chunk.expect("matched above");
+            enc.error_at(&mut message.header, e.errno, &e.to_string(), later.offset);
             boxes.done(message);
             Poll::Ready(Ok(()))
         }
@@ -3315,6 +3324,57 @@ mod tests {
             assert_eq!(spliced, 3 + 8 + 17 + 1, "pieces that went through a pipe");
             assert_eq!(backend.reads.load(std::sync::atomic::Ordering::SeqCst), 0);
         }
+    }
+
+    /// With structured replies, a later piece of a streamed cached read whose read fails
+    /// (no pipe and no mapping for it, and the device fails) becomes an `ERROR_OFFSET`
+    /// chunk for its range: the read fails with EIO, its other chunks cover the rest, and
+    /// the connection goes on. (It was closed, with every other reply in flight.)
+    #[tokio::test]
+    async fn a_later_piece_that_fails_is_an_error_chunk_and_the_connection_goes_on() {
+        let (_tmp, pattern, backend) = counted_file_export(16 << 20, 11, 241);
+        let mut backend = Arc::into_inner(backend).unwrap();
+        let piece = u64::from(STREAM_PIECE);
+        // Three equal pieces; the first is spliced, the rest are read (no pipe, no map).
+        let (offset, length) = (1 << 20, 3 * piece);
+        backend.splices_allowed = 1;
+        backend.fail_read_at = Some(offset + piece);
+        let backend = Arc::new(backend);
+        let (client, server) = tokio::net::UnixStream::pair().unwrap();
+        let mut client = serve_and_negotiate(backend.clone(), client, server).await;
+        client
+            .write_all(&request(cmd::READ, 0, 7, offset, length))
+            .await
+            .unwrap();
+        let (mut covered, mut errors) = (0u64, Vec::new());
+        loop {
+            let (flags, kind, cookie, payload) = read_chunk(&mut client).await;
+            assert_eq!(cookie, 7);
+            match kind {
+                reply::TYPE_OFFSET_DATA => {
+                    let at = u64::from_be_bytes(payload[..8].try_into().unwrap());
+                    let data = &payload[8..];
+                    assert!(data == &pattern[at as usize..at as usize + data.len()]);
+                    covered += data.len() as u64;
+                }
+                reply::TYPE_ERROR | reply::TYPE_ERROR_OFFSET => {
+                    errors.push((kind, u32::from_be_bytes(payload[..4].try_into().unwrap())))
+                }
+                _ => assert_eq!(kind, reply::TYPE_NONE),
+            }
+            if flags & reply::FLAG_DONE != 0 {
+                break;
+            }
+        }
+        assert_eq!(errors.len(), 1, "one error chunk: {errors:?}");
+        assert_eq!(errors[0].1, NbdError::Io.code(), "{errors:?}");
+        if backend.spliced.load(std::sync::atomic::Ordering::SeqCst) == 1 {
+            // Streamed: the failed piece's range alone is missing.
+            assert_eq!(errors[0].0, reply::TYPE_ERROR_OFFSET);
+            assert_eq!(covered, length - piece);
+        }
+        // The connection goes on.
+        send_reads_and_check_structured_replies(&mut client, &[(8, 0, 65536)], &pattern).await;
     }
 
     /// With simple replies, the later pieces of a long cached read that cannot get a pipe

@@ -255,6 +255,36 @@ impl ReplyEncoder {
         }
     }
 
+    /// A read's failure at `error_offset`, in a reply that goes on: an `ERROR_OFFSET`
+    /// chunk, not marked done (a final chunk follows). Chunked replies only.
+    pub fn error_at(
+        &self,
+        out: &mut impl ReplySink,
+        error: NbdError,
+        message: &str,
+        error_offset: u64,
+    ) {
+        debug_assert!(
+            self.style != ReplyStyle::Simple,
+            "a simple reply has no chunks"
+        );
+        let message = &message.as_bytes()[..message.len().min(super::MAX_STRING_LEN)];
+        let len = 6 + message.len() as u64 + 8;
+        chunk_header(
+            out,
+            self.style,
+            0,
+            reply::TYPE_ERROR_OFFSET,
+            self.cookie,
+            self.offset,
+            len,
+        );
+        out.put(&error.code().to_be_bytes());
+        out.put(&(message.len() as u16).to_be_bytes());
+        out.put(message);
+        out.put(&error_offset.to_be_bytes());
+    }
+
     /// The header in front of read data. For simple replies this is the whole reply header
     /// and `data_len` bytes follow; for chunks it is an `OFFSET_DATA` header and its 8-byte
     /// offset, and `data_len` bytes of data follow.

@@ -127,9 +127,26 @@ def attempt(name, call):
         print(name, "ok")
     except nbd.Error as e:
         print(name, "EIO" if "(EIO)" in str(e) else e)
+def together():
+    # Three FLUSHes at once, two on this connection and one on another: each covers the
+    # lost writes, so each must fail.
+    g = nbd.NBD()
+    g.connect_uri(uri)
+    cookies = [(h, h.aio_flush()), (h, h.aio_flush()), (g, g.aio_flush())]
+    results = []
+    for handle, cookie in cookies:
+        try:
+            while not handle.aio_command_completed(cookie):
+                handle.poll(-1)
+            results.append("ok")
+        except nbd.Error as e:
+            results.append("EIO" if "(EIO)" in str(e) else str(e))
+    print("together", *results)
 for step in steps:
     if step == "sync":
         subprocess.run(["sync"], check=True)
+    elif step == "together":
+        together()
     elif step == "fua":
         attempt("fua", lambda: h.pwrite(b"\xcd" * 4096, 40 << 20, nbd.CMD_FLAG_FUA))
     else:
@@ -146,7 +163,8 @@ print("read", other.pread(4096, 0)[:2].hex())
 /// connection. In page-cache mode, whether the failure came to a FLUSH or to a FUA write's
 /// own sync (here after `sync(1)` made the kernel's writeback fail); with `--cache=none`,
 /// when the cache that lost the data lies below the device (a loop device over a file on
-/// ext4). Reads still work.
+/// ext4). FLUSHes sent together all fail: the kernel reports the error to one sync only, and
+/// one running beside it would succeed. Reads still work.
 #[test]
 fn a_failed_sync_fails_every_flush_after_it() {
     if !have("losetup") || !have("mount") || !have("mkfs.ext4") {
@@ -160,12 +178,25 @@ fn a_failed_sync_fails_every_flush_after_it() {
         &'static [&'static str],
         &'static str,
     );
-    let cases: [Case; 3] = [
+    let together = "together EIO EIO EIO\nflush EIO\nother-flush EIO\nother-flush EIO\nread abab\n";
+    let cases: [Case; 5] = [
         (
             FailingDevice::new,
             "--cache=writeback",
             &["flush", "flush"],
             all_fail,
+        ),
+        (
+            FailingDevice::new,
+            "--cache=writeback",
+            &["together", "flush"],
+            together,
+        ),
+        (
+            FailingDevice::under_ext4,
+            "--cache=none",
+            &["together", "flush"],
+            together,
         ),
         (
             FailingDevice::new,

@@ -6,8 +6,9 @@
 //! ([`super::splice`]), and other reads are tried on the calling thread first. With `--cache=none` the file is opened `O_DIRECT` and requests that do not cover
 //! whole blocks are read-modify-written under a range lock ([`super::range_lock`]). TRIM
 //! punches holes, WRITE_ZEROES uses `fallocate`, block status comes from
-//! `SEEK_DATA`/`SEEK_HOLE`, FUA writes use `RWF_DSYNC`, and FLUSH syncs only when a write
-//! completed since the last sync (and fails for good once a sync failed: [`LostWriteback`]).
+//! `SEEK_DATA`/`SEEK_HOLE`, direct FUA writes use `RWF_DSYNC` (page-cache ones a sync), and
+//! FLUSH syncs only when a write completed since the last sync, one sync at a time (and
+//! fails for good once a sync failed: [`LostWriteback`]).
 
 use std::fs::{File, OpenOptions};
 use std::io::{Seek, SeekFrom};
@@ -77,6 +78,8 @@ pub struct FileBackend {
     locks: RangeLocks,
     dirty: Arc<DirtyTracker>,
     lost: LostWriteback,
+    /// Held across every sync ([`FileBackend::sync`]): one at a time per export.
+    syncing: tokio::sync::Mutex<()>,
     behind: Arc<WriteBehind>,
     /// Non-blocking page-cache reads tried, for tests that count them.
     #[cfg(test)]
@@ -173,12 +176,15 @@ impl DirtyTracker {
 /// devices that fail writeback, nbdkit answers the FLUSH after a failed one with success in
 /// both cases, and qemu-nbd with `--cache=none` too.
 ///
-/// What counts: a failed `fdatasync` (FLUSH, a FUA trim or zeroing), in both modes; and in
-/// writeback mode a failed FUA write, whose `RWF_DSYNC` sync takes the file's error the
-/// same way (its errno cannot tell that from a failed copy into the page cache, such as a
-/// full file system, so either stops FLUSH). A failed direct FUA write does not: that is
-/// more likely one write's own blocks failing (a bad sector), which must not stop the
-/// export.
+/// What counts: a failed `fdatasync` (FLUSH, a FUA write in writeback mode, a FUA trim or
+/// zeroing), in both modes. A failed direct FUA write (`RWF_DSYNC`) does not: that is more
+/// likely one write's own blocks failing (a bad sector), which must not stop the export.
+///
+/// The kernel reports the error to one sync only, so two syncs in flight at once would let
+/// the other succeed although the data it covers is lost: syncs run one at a time
+/// ([`FileBackend::sync`]), and each checks for a failure before it starts. A FUA write in
+/// writeback mode is a page-cache write and such a sync, not an `RWF_DSYNC` write, whose
+/// sync would run beside the others.
 #[derive(Default)]
 struct LostWriteback {
     /// The errno of the first failed sync; 0 while none has failed.
@@ -365,6 +371,7 @@ impl FileBackend {
             locks: RangeLocks::default(),
             dirty: Arc::new(DirtyTracker::default()),
             lost: LostWriteback::default(),
+            syncing: tokio::sync::Mutex::new(()),
             behind: Arc::new(WriteBehind::new()),
             #[cfg(test)]
             nowait_tries: AtomicU64::new(0),
@@ -512,12 +519,7 @@ impl FileBackend {
                     flags,
                 )
                 .await
-                .map_err(|e| {
-                    if fua && self.cache == CacheMode::Writeback {
-                        self.sync_failed(&e);
-                    }
-                    BackendError::io("write", offset, length, e)
-                })?;
+                .map_err(|e| BackendError::io("write", offset, length, e))?;
             if n == 0 {
                 return Err(BackendError::io(
                     "write",
@@ -631,7 +633,7 @@ impl FileBackend {
             .await
     }
 
-    /// After a trim or zeroing: sync now for FUA, else remember there is something to sync.
+    /// After a trim or zeroing: remember there is something to sync, and sync now for FUA.
     async fn after_change(
         &self,
         op: &'static str,
@@ -639,15 +641,32 @@ impl FileBackend {
         length: u64,
         fua: bool,
     ) -> Result<(), BackendError> {
+        self.dirty.mark();
         if fua {
-            self.ring.fsync(&self.file, true).await.map_err(|e| {
-                self.sync_failed(&e);
-                BackendError::io(op, offset, length, e)
-            })
-        } else {
-            self.dirty.mark();
-            Ok(())
+            self.sync(op, offset, length).await?;
         }
+        Ok(())
+    }
+
+    /// Makes every write completed so far durable (`fdatasync`), unless a sync already
+    /// did. Syncs run one at a time: Linux reports a failed writeback to one sync only, so
+    /// of two in flight at once one could succeed for data that is lost. One that waited
+    /// for another finds that one's failure recorded, or what it covered synced (many
+    /// FLUSHes that arrive together share a sync).
+    async fn sync(&self, op: &'static str, offset: u64, length: u64) -> Result<(), BackendError> {
+        let _one_at_a_time = self.syncing.lock().await;
+        if let Some(lost) = self.lost.error() {
+            return Err(BackendError::io(op, offset, length, lost));
+        }
+        let Some(target) = self.dirty.sync_target() else {
+            return Ok(());
+        };
+        self.ring.fsync(&self.file, true).await.map_err(|e| {
+            self.sync_failed(&e);
+            BackendError::io(op, offset, length, e)
+        })?;
+        self.dirty.synced(target);
+        Ok(())
     }
 
     /// A sync (or a FUA write in writeback mode) failed with `error`: FLUSH fails from now
@@ -877,8 +896,10 @@ impl Backend for FileBackend {
             }
             let length = data.len() as u64;
             if self.cache == CacheMode::Writeback {
-                // FUA waits for the device: that wait belongs in io_uring's workers.
-                self.write_through_ring(offset, data, fua).await?;
+                // A FUA write (the rest took the path above): a page-cache write, then a
+                // sync of its own kind ([`LostWriteback`]).
+                self.write_to_page_cache(offset, &data)?;
+                return self.after_change("write", offset, length, fua).await;
             } else if offset % self.block == 0 && length % self.block == 0 {
                 let _held = self.lock_shared(offset, length).await;
                 self.write_blocks(offset, data, fua).await?;
@@ -914,18 +935,7 @@ impl Backend for FileBackend {
             if self.cache == CacheMode::Writeback {
                 self.behind.flush_seen();
             }
-            if let Some(lost) = self.lost.error() {
-                return Err(BackendError::io("flush", 0, 0, lost));
-            }
-            let Some(target) = self.dirty.sync_target() else {
-                return Ok(());
-            };
-            self.ring.fsync(&self.file, true).await.map_err(|e| {
-                self.sync_failed(&e);
-                BackendError::io("flush", 0, 0, e)
-            })?;
-            self.dirty.synced(target);
-            Ok(())
+            self.sync("flush", 0, 0).await
         })
     }
 

@@ -283,19 +283,36 @@ attempt(h, "good", 0)
 other = connect()
 attempt(other, "other-bad", 40 << 20)
 attempt(other, "other-good", 1 << 20)
+# 32 adjacent reads sent together across the edge at 32 MiB (the server may merge them):
+# how many good ones failed, and how many bad ones did not.
+reads = []
+for i in range(32):
+    offset = (32 << 20) - (64 << 10) + i * 4096
+    buf = nbd.Buffer(4096)
+    reads.append((other.aio_pread(buf, offset), offset))
+good_failed = bad_ok = 0
+for cookie, offset in reads:
+    try:
+        while not other.aio_command_completed(cookie):
+            other.poll(-1)
+        bad_ok += offset >= 32 << 20
+    except nbd.Error:
+        good_failed += offset < 32 << 20
+print("adjacent", good_failed, bad_ok)
 "#;
 
 /// A device with unreadable sectors (a direct-I/O loop device whose file was cut short
 /// after it was attached): each read of them fails with EIO alone, in page-cache mode too,
 /// where a failed page stays in the page cache unreadable and must not be sent from the
-/// file's mapping (whose failed send would cost the connection: it did, every time).
+/// file's mapping (whose failed send would cost the connection: it did, every time); and
+/// of adjacent reads sent together, which the server merges, only the bad ones fail.
 #[test]
 fn unreadable_sectors_fail_each_read_of_them_and_nothing_else() {
     if !have("losetup") {
         return;
     }
     let expected = "bad EIO\nbad-again EIO\nbad-large EIO\nbad-large-again EIO\ngood ok\n\
-                    other-bad EIO\nother-good ok\n";
+                    other-bad EIO\nother-good ok\nadjacent 0 0\n";
     for cache in ["--cache=writeback", "--cache=none"] {
         for replies in ["structured", "simple"] {
             let dir = tempfile::tempdir().unwrap();

@@ -634,10 +634,38 @@ impl Pipeline {
         });
     }
 
-    /// Queues the replies to a merged read's requests, and keeps its list of parts.
+    /// Queues the replies to a merged read's requests, and keeps its list of parts. A
+    /// merged read that failed is read again request by request, so that each request gets
+    /// its own answer: a bad sector fails the reads of it, not its neighbours merged with
+    /// them.
     fn merged_replies(&mut self, merged: MergedRead, result: Result<ReadData, BackendError>) {
+        if result.is_err() && !merged.more.is_empty() {
+            self.read_parts_alone(merged);
+            return;
+        }
         let parts = merged_replies(merged, result, &mut self.outq);
         self.part_lists.give_back(parts);
+    }
+
+    /// Starts a backend read for each request of `merged`, each answered on its own.
+    fn read_parts_alone(&mut self, merged: MergedRead) {
+        let MergedRead {
+            first, mut more, ..
+        } = merged;
+        for part in std::iter::once(first).chain(more.drain(..)) {
+            let alone = MergedRead {
+                offset: part.offset,
+                length: part.length,
+                first: part,
+                more: self.part_lists.take(),
+            };
+            let backend = Arc::clone(&self.backend);
+            self.in_flight.push(async move {
+                let result = backend.read(alone.offset, alone.length as usize).await;
+                Finished::MergedRead(alone, result)
+            });
+        }
+        self.part_lists.give_back(more);
     }
 
     fn parse_batch(&mut self) -> Result<(), String> {
@@ -2329,18 +2357,19 @@ mod tests {
         assert_eq!(declined, if at_once { 0 } else { reads });
     }
 
+    /// A merged read that fails is read again request by request: only the request the
+    /// failure is in fails (a bad sector must not fail its merged neighbours), and the next
+    /// merge is served.
     #[tokio::test]
-    async fn a_failed_merged_read_fails_each_of_its_requests_and_the_next_merge_is_served() {
+    async fn a_failed_merged_read_fails_only_the_request_that_fails_alone() {
         // Completed later (not at once), so the merged read comes back through its future
-        // and its list of parts is kept for the next merge.
+        // and its list of parts is kept for the next merge. Reads at 0 fail: the merged
+        // read, then the first request's own.
         let mut backend = CountingReads::new(None);
         backend.fail_read_at = Some(0);
         let backend = Arc::new(backend);
         let mut client = connect_to(Arc::clone(&backend) as Arc<dyn Backend>).await;
-        for (first_cookie, start, want) in [
-            (100u64, 0u64, reply::TYPE_ERROR),
-            (200, 1 << 20, reply::TYPE_OFFSET_HOLE),
-        ] {
+        for (first_cookie, start) in [(100u64, 0u64), (200, 1 << 20)] {
             let batch: Vec<u8> = (0..8u64)
                 .flat_map(|i| request(cmd::READ, 0, first_cookie + i, start + i * 4096, 4096))
                 .collect();
@@ -2350,12 +2379,24 @@ mod tests {
             while seen.len() < 8 {
                 let (flags, kind, cookie, _) = read_chunk(&mut client).await;
                 assert!((first_cookie..first_cookie + 8).contains(&cookie));
+                let want = if cookie == 100 {
+                    reply::TYPE_ERROR
+                } else {
+                    reply::TYPE_OFFSET_HOLE
+                };
                 assert_eq!(kind, want, "the reply to {cookie}");
                 assert!(flags & reply::FLAG_DONE != 0);
                 assert!(seen.insert(cookie), "two replies for {cookie}");
             }
             let reads = backend.reads.load(std::sync::atomic::Ordering::SeqCst) - before;
-            assert!(reads < 8, "8 adjacent reads took {reads} backend reads");
+            if start == 0 {
+                assert!(
+                    reads > 8,
+                    "the failed merge was not read again request by request"
+                );
+            } else {
+                assert!(reads < 8, "8 adjacent reads took {reads} backend reads");
+            }
         }
     }
 

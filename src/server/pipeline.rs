@@ -90,6 +90,12 @@ pub const WRITE_PIECE: u32 = 1024 * 1024;
 /// GB/s without the limit, 5.5–5.7 with it). Memory and cached file reads are now sent
 /// without a copy; direct-I/O and small cached reads still are copied.
 const WRITE_AFTER_DATA: usize = 512 * 1024;
+/// The least a read takes from the byte budget until its reply is sent, whatever its
+/// length: what a short reply can keep alive while it waits in the queue (a memory
+/// export's whole 64 KiB page, which a later write to it copies, or a pooled buffer of at
+/// least a page). Counted at their length, 16,384 unread 1-byte replies held a gigabyte of
+/// page copies and were counted as 16 KiB.
+const MIN_READ_CHARGE: u64 = 64 * 1024;
 /// A block-status query looks at most this far (keeps the reply small and 32-bit safe).
 const MAX_STATUS_SPAN: u64 = (1 << 32) - (1 << 16);
 /// A block-status reply describes at most this many extents (the spec lets it cover less
@@ -991,7 +997,7 @@ impl Pipeline {
         let enc = self.encoder(cookie, offset);
         match command {
             Command::Read { offset, length, df } => {
-                self.held += u64::from(length);
+                self.held += read_charge(length);
                 if self.splice {
                     self.splice_probe.read(length, std::time::Instant::now);
                 }
@@ -1012,7 +1018,7 @@ impl Pipeline {
                 if pieces == 1 {
                     if let Some(spliced) = self.read_to_pipe(offset, length) {
                         // In the pipe already: the reply is ready as it is parsed.
-                        let reply = spliced_reply(enc, offset, spliced, true, u64::from(length));
+                        let reply = spliced_reply(enc, offset, spliced, true, read_charge(length));
                         self.outq.push_back(reply);
                         return;
                     }
@@ -1658,6 +1664,15 @@ fn content_chunks(
     }
 }
 
+/// What a read of `length` bytes takes from the byte budget until its reply is sent (a
+/// streamed read, longer than [`MIN_READ_CHARGE`], its length: its pieces give it back).
+fn read_charge(length: u32) -> u64 {
+    match length {
+        0 => 0,
+        length => u64::from(length).max(MIN_READ_CHARGE),
+    }
+}
+
 /// The reply to a read of `length` bytes at `offset`, from what the backend returned,
 /// added to `out`.
 fn read_reply(
@@ -1668,7 +1683,7 @@ fn read_reply(
     read: Result<ReadData, &BackendError>,
     out: &mut impl Extend<Outgoing>,
 ) {
-    let release = u64::from(length);
+    let release = read_charge(length);
     let read = match read {
         Ok(read) => read,
         Err(e) => return out.extend(error_reply(enc, e, release)),
@@ -3789,6 +3804,39 @@ mod tests {
         }
         assert_eq!(received, 4 * (16 + (1 << 20)), "every reply, whole");
         served.await.unwrap();
+    }
+
+    /// Short reads whose replies the client does not take each hold the budget as a page:
+    /// the connection stops reading after [`BYTE_BUDGET`] / [`MIN_READ_CHARGE`] of them, not
+    /// after the reply queue's 16,384 (each reply can keep a 64 KiB page alive).
+    #[tokio::test]
+    async fn short_reads_left_unread_take_a_page_each_from_the_budget() {
+        let backend = Arc::new(CountingReads::new(None));
+        let (client, server) = tokio::io::duplex(4096);
+        let client = serve_and_negotiate(backend.clone(), client, server).await;
+        let (_rx, mut tx) = tokio::io::split(client);
+        let count = 6000u64;
+        let batch: Vec<u8> = (0..count)
+            .flat_map(|i| request(cmd::READ, 0, i, i * 8192, 1))
+            .collect();
+        let writer = tokio::spawn(async move {
+            let _ = tx.write_all(&batch).await;
+            tx
+        });
+        let most = (BYTE_BUDGET / MIN_READ_CHARGE) as usize + 1;
+        let reads = || backend.reads.load(std::sync::atomic::Ordering::SeqCst);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while reads() < most && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        // Plus those whose replies the 4 KiB pipe took (a reply is 32 bytes here).
+        let admitted = reads();
+        assert!(
+            (most..most + 4096 / 32 + 2).contains(&admitted),
+            "{admitted} reads admitted before the connection stopped reading, not about {most}"
+        );
+        writer.abort();
     }
 
     #[tokio::test]

@@ -38,7 +38,8 @@ const RESYNC_RUN_REGIONS: u64 = 16;
 /// 4 GiB device to about 140 MB/s; a flush per 16 MiB costs one fdatasync.
 const RESYNC_FLUSH_REGIONS: usize = 256;
 
-/// Protocol A: payload bytes a peer may have unacknowledged before writes wait for it.
+/// Protocol A: what a peer may have unacknowledged before writes wait for it, in bytes
+/// of payload (a trim or zeroing counts 64 KiB: `peer::queue_cost`).
 const PROTOCOL_A_MAX_UNACKED: u64 = 64 << 20;
 
 /// Spaces a resync's data sends so they average the configured rate: each send takes the

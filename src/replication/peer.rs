@@ -63,10 +63,10 @@ pub struct PeerConn {
     pub synced: AtomicBool,
     outbox: Outbox,
     waiters: Mutex<HashMap<WaitKey, oneshot::Sender<Message>>>,
-    /// Writes sent and not yet acknowledged: sequence number → (offset, length, payload
-    /// bytes).
+    /// Writes sent and not yet acknowledged: sequence number → (offset, length, cost in
+    /// [`PeerConn::unacked_bytes`]).
     in_flight: Mutex<HashMap<u64, (u64, u64, u64)>>,
-    /// Payload bytes of the writes in `in_flight`.
+    /// What the writes in `in_flight` cost the peer to apply ([`queue_cost`]).
     unacked_bytes: AtomicU64,
     closed: watch::Sender<bool>,
     /// The peer (a resync target) has sent its whole bitmap.
@@ -74,6 +74,18 @@ pub struct PeerConn {
     /// On a secondary: barriers received from this primary, by epoch, with the flush
     /// generation their arrival began (see [`Shared::flushed_everywhere`]).
     barriers: Mutex<BTreeMap<u64, u64>>,
+}
+
+/// What a replicated change costs a peer to apply, as far as the bound on a protocol A
+/// peer's backlog counts it: a write's payload, at least a page; a TRIM or zeroing, which
+/// carries no payload but takes the peer a device operation, 64 KiB. (Counted at their
+/// payload, trims and zeroings queued without bound: a burst of 256 KiB trims left a FLUSH
+/// behind them long enough to drop the peer.)
+fn queue_cost(message: &Message) -> u64 {
+    match message {
+        Message::Write { data, .. } => (data.len() as u64).max(4096),
+        _ => 64 << 10,
+    }
 }
 
 impl PeerConn {
@@ -150,19 +162,17 @@ impl PeerConn {
         key: WaitKey,
         message: Message,
     ) -> oneshot::Receiver<Message> {
-        let payload = match &message {
-            Message::Write { data, .. } => data.len() as u64,
-            _ => 0,
-        };
-        self.unacked_bytes.fetch_add(payload, Ordering::AcqRel);
+        let cost = queue_cost(&message);
+        self.unacked_bytes.fetch_add(cost, Ordering::AcqRel);
         self.in_flight
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(seq, (offset, length, payload));
+            .insert(seq, (offset, length, cost));
         self.request(key, message)
     }
 
-    /// Payload bytes sent to this peer and not yet acknowledged.
+    /// What the writes sent to this peer and not yet acknowledged cost it to apply, in
+    /// bytes ([`queue_cost`]).
     pub fn unacked_bytes(&self) -> u64 {
         self.unacked_bytes.load(Ordering::Acquire)
     }
@@ -202,8 +212,8 @@ impl PeerConn {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .remove(&seq);
-            if let Some((_, _, payload)) = acked {
-                self.unacked_bytes.fetch_sub(payload, Ordering::AcqRel);
+            if let Some((_, _, cost)) = acked {
+                self.unacked_bytes.fetch_sub(cost, Ordering::AcqRel);
             }
         }
         let waiter = self
@@ -1136,5 +1146,23 @@ mod tests {
             Err(oneshot::error::TryRecvError::Closed)
         );
         assert!(conn.is_closed());
+    }
+
+    /// Trims carry no payload but still count toward a protocol A peer's backlog, and
+    /// small writes count a page: a burst of either cannot queue without bound.
+    #[test]
+    fn trims_and_small_writes_count_toward_the_backlog() {
+        let conn = conn();
+        let trim = Message::Trim {
+            seq: 1,
+            offset: 0,
+            length: 256 << 10,
+            flags: 0,
+        };
+        let _trim = conn.send_write(1, 0, 256 << 10, WaitKey::Seq(1), trim);
+        let _small = conn.send_write(2, 2 << 20, 512, WaitKey::Seq(2), write(2, 512));
+        assert_eq!(conn.unacked_bytes(), (64 << 10) + 4096);
+        conn.deliver(WaitKey::Seq(1), Message::Ack { seq: 1, status: 0 });
+        assert_eq!(conn.unacked_bytes(), 4096);
     }
 }

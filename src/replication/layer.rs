@@ -43,7 +43,11 @@ const RESYNC_FLUSH_REGIONS: usize = 256;
 const PROTOCOL_A_MAX_UNACKED: u64 = 64 << 20;
 
 /// Spaces a resync's data sends so they average the configured rate: each send takes the
-/// next free slot as long as its bytes last at that rate, and goes at the slot's end.
+/// next free slot as long as its bytes last at that rate, and goes at the slot's start.
+/// New runs start only once the slots taken have passed, so a run rarely waits, and never
+/// for its own slot: it holds its range lock while it waits, and client writes to the range
+/// wait on that lock (at the slot's end, a 1 MiB run at 1 MB/s held it for a second, and
+/// client writes there took up to a second each).
 struct Pacer {
     bytes_per_second: f64,
     free_at: Mutex<tokio::time::Instant>,
@@ -62,7 +66,7 @@ impl Pacer {
         *self.free_at.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Waits until `bytes` may be sent.
+    /// Waits until `bytes` may be sent: the start of the next free slot.
     async fn wait_to_send(&self, bytes: u64) {
         if bytes == 0 {
             return;
@@ -71,7 +75,7 @@ impl Pacer {
             let mut free_at = self.free_at.lock().unwrap_or_else(|e| e.into_inner());
             let start = (*free_at).max(tokio::time::Instant::now());
             *free_at = start + Duration::from_secs_f64(bytes as f64 / self.bytes_per_second);
-            *free_at
+            start
         };
         // Timers tick in milliseconds: a shorter wait is not worth one (the next send
         // still starts after this one's slot).
@@ -964,7 +968,8 @@ impl Shared {
         let rate = self.resource.resync_rate;
         let pacer = Pacer::new(rate);
         // In flight at most what the rate sends in 100 ms (at least one run), so a run
-        // waiting for its turn to send holds its range lock briefly.
+        // waiting for its turn to send (behind the others in flight) holds its range lock
+        // briefly.
         let window = (rate / 10 / REGION_SIZE).clamp(RESYNC_RUN_REGIONS, RESYNC_WINDOW);
         let mut sent_bytes = 0u64;
         let mut region = 0;
@@ -1511,5 +1516,21 @@ mod piece_tests {
             }
             assert_eq!(at, offset + length, "{offset} {length}");
         }
+    }
+
+    /// A send goes at the start of its slot: the first at once, the next when the first's
+    /// bytes have had their time at the rate, so sends average the rate without a run
+    /// waiting (with its range locked) for its own slot to pass.
+    #[tokio::test(start_paused = true)]
+    async fn the_pacer_sends_at_the_start_of_each_slot() {
+        let pacer = Pacer::new(1 << 20);
+        let start = tokio::time::Instant::now();
+        pacer.wait_to_send(1 << 20).await;
+        assert_eq!(start.elapsed(), Duration::ZERO, "the first send waited");
+        pacer.wait_to_send(512 << 10).await;
+        assert_eq!(start.elapsed(), Duration::from_secs(1));
+        pacer.wait_to_send(1 << 20).await;
+        assert_eq!(start.elapsed(), Duration::from_millis(1500));
+        assert_eq!(pacer.free_at() - start, Duration::from_millis(2500));
     }
 }

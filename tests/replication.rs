@@ -796,6 +796,53 @@ fn netblk(args: &[&str], config: &Path) -> std::process::Output {
         .unwrap()
 }
 
+/// A demotion during a slow resync does not wait for the pass to end (it waited for all
+/// 32 MiB at 2 MB/s, 13.7 s, refusing writes throughout): a run no longer holds its range
+/// lock while it waits for the pacer, and the resync starts no new runs once the node is
+/// no longer primary (which matters where runs overlap, at rates the pacer never holds).
+#[test]
+fn a_demotion_during_a_slow_resync_returns_at_once() {
+    if !have("qemu-io") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair_sized(dir.path(), "64M");
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(
+        &config,
+        text.replace("resync_rate = \"1G\"", "resync_rate = \"2M\""),
+    )
+    .unwrap();
+    let primary = start_node(&config, "alpha", true);
+    let secondary = start_node(&config, "beta", false);
+    wait_for_log(
+        "secondary",
+        || secondary.stderr(),
+        "in sync with the primary",
+        1,
+    );
+    secondary.signal("KILL");
+    drop(secondary);
+    let out = qemu_io(&primary.uri(), &["write -P 0x5a 0 32M", "flush"]);
+    assert!(out.status.success(), "{out:?}");
+    let _secondary = start_node(&config, "beta", false);
+    wait_for_log(
+        "primary",
+        || primary.stderr(),
+        "resync: 33554432 bytes out of sync",
+        1,
+    );
+    let started = Instant::now();
+    let out = netblk(&["demote", "--node", "alpha"], &config);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "the demotion took {:?} (the resync of 32 MiB at 2 MB/s takes 16 s)",
+        started.elapsed()
+    );
+    assert!(!primary.stderr().contains("resync done: 33554432"));
+}
+
 #[test]
 fn promotion_is_refused_to_the_node_with_older_data() {
     if !have("qemu-io") {

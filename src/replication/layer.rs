@@ -988,7 +988,14 @@ impl Shared {
             // waiting for).
             let due = pacer.free_at();
             let on_schedule = due <= tokio::time::Instant::now();
-            while on_schedule && !exhausted && regions_in_flight < window {
+            // A demotion waits for the range locks to be let go of: no new runs then, and
+            // the pass ends once those in flight are done (the demotion drops the links,
+            // and a primary resyncs what is left).
+            let primary = self.is_primary();
+            if !primary && in_flight.is_empty() {
+                return Err("this node stopped being primary".into());
+            }
+            while primary && on_schedule && !exhausted && regions_in_flight < window {
                 let (first, count) = {
                     let meta = self.meta();
                     let Some(first) = meta.next_out_of_sync(slot.index, region) else {

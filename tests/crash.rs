@@ -13,6 +13,11 @@
 //!   backend, and the cut writes an arbitrary subset of the unflushed writes, in an arbitrary
 //!   order, before the "disk" goes away.
 //!
+//! The volatile cache is the power-cut layer above the file backend, and the check reads
+//! the file through a page cache that never crashed: these tests prove that FLUSH and FUA
+//! reach the backend, not that the backend reaches the device (`backend::file`'s tests count
+//! its syncs; ARCHITECTURE.md, "Durability").
+//!
 //! `NETBLK_CRASH_POINTS=N` runs N crash points of each kind (default: a short CI run).
 //! Every failure prints its seed; `NETBLK_CRASH_SEED=S` replays one.
 

@@ -1407,6 +1407,37 @@ mod tests {
         assert_eq!(other.error().unwrap().raw_os_error(), Some(libc::EIO));
     }
 
+    /// What reaches the kernel: a FLUSH after a write is one sync, a FLUSH with nothing
+    /// written none, a FUA write one durable request (a sync in page-cache mode, an
+    /// `RWF_DSYNC` write with direct I/O), and FLUSHes sent together after writes share
+    /// one sync. (The crash tests' volatile cache sits above this backend, so they cannot
+    /// see a backend that skips its syncs: this test can.)
+    #[test]
+    fn flush_and_fua_ask_the_kernel_for_durability_and_flushes_together_share_a_sync() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("disk.img");
+        for mode in MODES {
+            let _ = std::fs::remove_file(&path);
+            let b = FileBackend::open(&path, Some(1 << 20), false, Some(mode)).unwrap();
+            let durable = || b.ring.durable_requests.load(Ordering::Relaxed);
+            block_on(async {
+                let data = || WriteData::from(Bytes::from(vec![3u8; 4096]));
+                b.write(0, data(), false).await.unwrap();
+                let before = durable();
+                b.flush().await.unwrap();
+                assert_eq!(durable() - before, 1, "{mode}: FLUSH after a write");
+                b.flush().await.unwrap();
+                assert_eq!(durable() - before, 1, "{mode}: FLUSH with nothing written");
+                b.write(4096, data(), true).await.unwrap();
+                assert_eq!(durable() - before, 2, "{mode}: FUA write");
+                b.write(8192, data(), false).await.unwrap();
+                let together = futures_util::future::join_all((0..4).map(|_| b.flush())).await;
+                assert!(together.iter().all(|r| r.is_ok()), "{mode}");
+                assert_eq!(durable() - before, 3, "{mode}: four FLUSHes sent together");
+            });
+        }
+    }
+
     #[test]
     fn flush_syncs_only_when_something_was_written() {
         let tracker = DirtyTracker::default();

@@ -508,6 +508,10 @@ pub struct Ring {
     /// Entries submitted as fixed-buffer reads or writes.
     #[cfg(test)]
     fixed_entries: AtomicU64,
+    /// Requests that ask the kernel for durability: syncs, and writes with `RWF_DSYNC`
+    /// (so tests can tell a backend that syncs from one that only says it did).
+    #[cfg(test)]
+    pub(crate) durable_requests: AtomicU64,
 }
 
 /// The registered buffer index of the pool's arena.
@@ -622,6 +626,8 @@ impl Ring {
             fixed_buffers,
             #[cfg(test)]
             fixed_entries: AtomicU64::new(0),
+            #[cfg(test)]
+            durable_requests: AtomicU64::new(0),
             eventfd,
             in_flight: Arc::new(Semaphore::new(COMPLETION_ENTRIES as usize)),
         }))
@@ -655,6 +661,10 @@ impl Ring {
         data: impl Into<WriteData>,
         flags: i32,
     ) -> io::Result<usize> {
+        #[cfg(test)]
+        if flags & RWF_DSYNC != 0 {
+            self.durable_requests.fetch_add(1, Ordering::Relaxed);
+        }
         self.submit(
             file,
             Request::Write {
@@ -669,6 +679,8 @@ impl Ring {
 
     /// fsync, or fdatasync with `datasync`.
     pub async fn fsync(self: &Arc<Self>, file: &Arc<File>, datasync: bool) -> io::Result<()> {
+        #[cfg(test)]
+        self.durable_requests.fetch_add(1, Ordering::Relaxed);
         self.submit(file, Request::Fsync { datasync })
             .await
             .0

@@ -81,6 +81,14 @@ impl FailingDevice {
         }
     }
 
+    /// The regular file under [`FailingDevice::under_ext4`]'s loop device, to export
+    /// itself: a file whose writeback fails.
+    fn file_on_failing_ext4() -> (FailingDevice, PathBuf) {
+        let failing = FailingDevice::under_ext4();
+        let file = failing._ext4.as_ref().unwrap().2.path().join("upper.img");
+        (failing, file)
+    }
+
     /// A loop device over a 64 MiB file on an ext4 that lives on a failing device (128 MiB
     /// over the same kind of 8 MiB tmpfs). Its writes land in that ext4's page cache, and
     /// its flush (an `fsync` of the file) fails once that writeback does: a cache below
@@ -115,8 +123,12 @@ fn sparse_file(path: &Path, mib: u64) -> PathBuf {
 /// `flush`), then two FLUSHes and a read on a second connection, printing what each came
 /// to.
 const WRITEBACK_FAILS: &str = r#"
-import nbd, subprocess, sys
+import nbd, re, subprocess, sys
 uri, steps = sys.argv[1], sys.argv[2:]
+def errno(e):
+    # A failed writeback is EIO, or ENOSPC from a file system whose device filled up.
+    found = re.search(r"\((EIO|ENOSPC)\)", str(e))
+    return "EIO" if found else str(e)
 h = nbd.NBD()
 h.connect_uri(uri)
 for i in range(16):
@@ -126,7 +138,7 @@ def attempt(name, call):
         call()
         print(name, "ok")
     except nbd.Error as e:
-        print(name, "EIO" if "(EIO)" in str(e) else e)
+        print(name, errno(e))
 def together():
     # Three FLUSHes at once, two on this connection and one on another: each covers the
     # lost writes, so each must fail.
@@ -140,7 +152,7 @@ def together():
                 handle.poll(-1)
             results.append("ok")
         except nbd.Error as e:
-            results.append("EIO" if "(EIO)" in str(e) else str(e))
+            results.append(errno(e))
     print("together", *results)
 for step in steps:
     if step == "sync":
@@ -173,49 +185,50 @@ fn a_failed_sync_fails_every_flush_after_it() {
     let all_fail = "flush EIO\nflush EIO\nother-flush EIO\nother-flush EIO\nread abab\n";
     let fua_first = "fua EIO\nflush EIO\nother-flush EIO\nother-flush EIO\nread abab\n";
     type Case = (
-        fn() -> FailingDevice,
+        fn() -> (FailingDevice, PathBuf),
         &'static str,
         &'static [&'static str],
         &'static str,
     );
+    let device = || {
+        let failing = FailingDevice::new();
+        let path = failing.device.0.clone();
+        (failing, path)
+    };
+    let under_ext4 = || {
+        let failing = FailingDevice::under_ext4();
+        let path = failing.device.0.clone();
+        (failing, path)
+    };
     let together = "together EIO EIO EIO\nflush EIO\nother-flush EIO\nother-flush EIO\nread abab\n";
-    let cases: [Case; 5] = [
+    let cases: [Case; 6] = [
+        (device, "--cache=writeback", &["flush", "flush"], all_fail),
         (
-            FailingDevice::new,
+            device,
             "--cache=writeback",
-            &["flush", "flush"],
-            all_fail,
+            &["together", "flush"],
+            together,
         ),
+        (under_ext4, "--cache=none", &["together", "flush"], together),
         (
-            FailingDevice::new,
+            FailingDevice::file_on_failing_ext4,
             "--cache=writeback",
             &["together", "flush"],
             together,
         ),
         (
-            FailingDevice::under_ext4,
-            "--cache=none",
-            &["together", "flush"],
-            together,
-        ),
-        (
-            FailingDevice::new,
+            device,
             "--cache=writeback",
             &["sync", "fua", "flush"],
             fua_first,
         ),
-        (
-            FailingDevice::under_ext4,
-            "--cache=none",
-            &["flush", "flush"],
-            all_fail,
-        ),
+        (under_ext4, "--cache=none", &["flush", "flush"], all_fail),
     ];
     for (device, cache, steps, expected) in cases {
-        let failing = device();
+        let (failing, export) = device();
         let control = failing._dir.path().join("ctl.sock");
         let control = control.to_str().unwrap();
-        let device = failing.device.0.to_str().unwrap();
+        let device = export.to_str().unwrap();
         let mut server = Server::start(&[cache, device, "--control", control]);
         let flush_stopped = || {
             let out = run_stdout(Command::new(env!("CARGO_BIN_EXE_netblk")).args([
@@ -239,8 +252,9 @@ fn a_failed_sync_fails_every_flush_after_it() {
         // `netblk status` says so too, with the error.
         let why = flush_stopped();
         assert!(
-            why.as_str()
-                .is_some_and(|w| w.contains("Input/output error")),
+            why.as_str().is_some_and(|w| {
+                w.contains("Input/output error") || w.contains("No space left on device")
+            }),
             "{cache} {steps:?}: {why}"
         );
         // Stopped, the server says that its final flush failed, in its exit status too.

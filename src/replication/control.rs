@@ -231,7 +231,7 @@ impl Shared {
                     Ok(Ok(_)) => None,
                     _ => return Err(format!("peer {} did not answer the verify", conn.peer)),
                 };
-                if theirs != Some(crc32c::crc32c(&local.bytes())) {
+                if theirs != Some(super::wire::digest(&local.bytes())) {
                     self.meta().mark_out_of_sync(slot.index, offset, length);
                     peer_differing += 1;
                 }

@@ -36,7 +36,7 @@
 //!   too, and mark them out of sync when their primary is lost, so that after a
 //!   failover the writes in flight at the primary's death are resynced between the
 //!   nodes that remain.
-//! - **Resync**: the source sends a CRC32C per out-of-sync region; the target answers
+//! - **Resync**: the source sends a 128-bit digest per out-of-sync region; the target answers
 //!   "in sync" or "need data", so equal regions cost a few dozen bytes, not 64 KiB.
 //! - **Roles** ([`control`]): every node starts as secondary; `--primary` or
 //!   `netblk promote` makes it primary (refused while a peer is primary, or, unless

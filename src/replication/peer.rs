@@ -954,7 +954,7 @@ async fn handle<'a>(
                     Ok(read) => Message::ChecksumReply {
                         id,
                         status: 0,
-                        checksum: crc32c::crc32c(&read.bytes()),
+                        checksum: super::wire::digest(&read.bytes()),
                     },
                     Err(e) => Message::ChecksumReply {
                         id,

@@ -201,7 +201,7 @@ fn a_failed_sync_fails_every_flush_after_it() {
         (failing, path)
     };
     let together = "together EIO EIO EIO\nflush EIO\nother-flush EIO\nother-flush EIO\nread abab\n";
-    let cases: [Case; 6] = [
+    let cases: [Case; 7] = [
         (device, "--cache=writeback", &["flush", "flush"], all_fail),
         (
             device,
@@ -223,6 +223,9 @@ fn a_failed_sync_fails_every_flush_after_it() {
             fua_first,
         ),
         (under_ext4, "--cache=none", &["flush", "flush"], all_fail),
+        // A direct FUA write's flush to the device takes the failure report of the cache
+        // below it: it must count (it was lost, and the FLUSH after it answered ok).
+        (under_ext4, "--cache=none", &["fua", "flush"], fua_first),
     ];
     for (device, cache, steps, expected) in cases {
         let (failing, export) = device();
@@ -247,7 +250,7 @@ fn a_failed_sync_fails_every_flush_after_it() {
         assert_eq!(
             python(WRITEBACK_FAILS, &args),
             expected,
-            "{cache} {steps:?}"
+            "{cache} {steps:?} on {device}"
         );
         // `netblk status` says so too, with the error.
         let why = flush_stopped();

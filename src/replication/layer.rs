@@ -969,8 +969,9 @@ impl Shared {
         let pacer = Pacer::new(rate);
         // In flight at most what the rate sends in 100 ms (at least one run), so a run
         // waiting for its turn to send (behind the others in flight) holds its range lock
-        // briefly.
-        let window = (rate / 10 / REGION_SIZE).clamp(RESYNC_RUN_REGIONS, RESYNC_WINDOW);
+        // briefly. (With a floor of a whole run's 16 regions, 16 scattered regions were 16
+        // runs queued in the pacer: at 1 MB/s the last held its lock for 0.94 s.)
+        let window = (rate / 10 / REGION_SIZE).clamp(1, RESYNC_WINDOW);
         let mut sent_bytes = 0u64;
         let mut region = 0;
         // Several runs in flight, so a resync is not one round trip per run.
@@ -993,6 +994,9 @@ impl Shared {
             // and a primary resyncs what is left).
             let primary = self.is_primary();
             if !primary && in_flight.is_empty() {
+                // Not a lost peer: the demotion's FLUSH still goes to it, then the
+                // demotion drops the link, and the pass ends with it.
+                conn.wait_closed().await;
                 return Err("this node stopped being primary".into());
             }
             while primary && on_schedule && !exhausted && regions_in_flight < window {

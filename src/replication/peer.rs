@@ -78,12 +78,16 @@ pub struct PeerConn {
 
 /// What a replicated change costs a peer to apply, as far as the bound on a protocol A
 /// peer's backlog counts it: a write's payload, at least a page; a TRIM or zeroing, which
-/// carries no payload but takes the peer a device operation, 64 KiB. (Counted at their
-/// payload, trims and zeroings queued without bound: a burst of 256 KiB trims left a FLUSH
-/// behind them long enough to drop the peer.)
+/// carries no payload but takes the peer a device operation, at least 64 KiB and more as
+/// it is longer. (Counted at their payload, trims and zeroings queued without bound: a
+/// burst of 256 KiB trims left a FLUSH behind them long enough to drop the peer.)
 fn queue_cost(message: &Message) -> u64 {
     match message {
         Message::Write { data, .. } => (data.len() as u64).max(4096),
+        // Zeroing may write every byte (a device that cannot zero otherwise): its length.
+        Message::Zero { length, .. } => (*length).max(64 << 10),
+        // A trim's work grows with its length too, if far more slowly: 1 KiB a MiB.
+        Message::Trim { length, .. } => (*length / 1024).max(64 << 10),
         _ => 64 << 10,
     }
 }
@@ -199,6 +203,12 @@ impl PeerConn {
 
     pub fn is_closed(&self) -> bool {
         *self.closed.borrow()
+    }
+
+    /// Waits until the connection is closed.
+    pub async fn wait_closed(&self) {
+        let mut closed = self.closed.subscribe();
+        let _ = closed.wait_for(|c| *c).await;
     }
 
     fn deliver(&self, key: WaitKey, message: Message) {
@@ -1164,5 +1174,22 @@ mod tests {
         assert_eq!(conn.unacked_bytes(), (64 << 10) + 4096);
         conn.deliver(WaitKey::Seq(1), Message::Ack { seq: 1, status: 0 });
         assert_eq!(conn.unacked_bytes(), 4096);
+        // Long ones count more: a zeroing its length, a trim 1 KiB a MiB.
+        let zero = Message::Zero {
+            seq: 3,
+            offset: 0,
+            length: 256 << 20,
+            flags: 0,
+        };
+        let _zero = conn.send_write(3, 0, 256 << 20, WaitKey::Seq(3), zero);
+        assert_eq!(conn.unacked_bytes(), 4096 + (256 << 20));
+        let trim = Message::Trim {
+            seq: 4,
+            offset: 0,
+            length: 1 << 30,
+            flags: 0,
+        };
+        let _trim = conn.send_write(4, 0, 1 << 30, WaitKey::Seq(4), trim);
+        assert_eq!(conn.unacked_bytes(), 4096 + (256 << 20) + (1 << 20));
     }
 }

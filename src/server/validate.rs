@@ -82,19 +82,22 @@ pub fn validate(h: &RequestHeader, limits: &Limits) -> Result<Command, NbdError>
     if writes && limits.read_only {
         return Err(NbdError::Perm);
     }
-    if matches!(h.command, cmd::READ | cmd::WRITE) && h.length > u64::from(MAX_PAYLOAD) {
-        // A read with chunked replies is not bound by the maximum payload in the spec, which
-        // lets a server refuse it up front with EOVERFLOW: the hint to retry smaller.
-        return Err(if h.command == cmd::READ && limits.chunked_replies {
-            NbdError::Overflow
-        } else {
-            NbdError::Inval
-        });
-    }
     let in_range = h
         .offset
         .checked_add(h.length)
         .is_some_and(|end| end <= limits.size);
+    if matches!(h.command, cmd::READ | cmd::WRITE) && h.length > u64::from(MAX_PAYLOAD) {
+        // A read with chunked replies is not bound by the maximum payload in the spec, which
+        // lets a server refuse it up front with EOVERFLOW: the hint to retry smaller (not
+        // for a read past the end, which smaller would not mend).
+        return Err(
+            if h.command == cmd::READ && limits.chunked_replies && in_range {
+                NbdError::Overflow
+            } else {
+                NbdError::Inval
+            },
+        );
+    }
     if !in_range && !matches!(h.command, cmd::DISC | cmd::FLUSH) {
         return Err(if matches!(h.command, cmd::WRITE | cmd::WRITE_ZEROES) {
             NbdError::NoSpc
@@ -272,6 +275,11 @@ mod tests {
         assert_eq!(
             validate(&req(cmd::READ, 0, 0, big), &chunked),
             Err(NbdError::Overflow)
+        );
+        // Past the end as well: EINVAL, as any read past the end.
+        assert_eq!(
+            validate(&req(cmd::READ, 0, (1 << 40) - 4096, big), &chunked),
+            Err(NbdError::Inval)
         );
         assert_eq!(
             validate(&req(cmd::WRITE, 0, 0, big), &chunked),

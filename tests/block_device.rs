@@ -61,6 +61,8 @@ impl Drop for Mounted {
 /// 8 MiB, so that writing back more than 8 MiB of its page cache fails.
 struct FailingDevice {
     // Fields drop in order: the device goes before the file systems under it.
+    /// With [`FailingDevice::file_over_failing_loop`]: a file system on `device`.
+    _upper: Option<(Mounted, tempfile::TempDir)>,
     device: LoopDevice,
     /// With [`FailingDevice::under_ext4`]: the ext4 holding the device's file, and the
     /// failing loop device under that.
@@ -74,6 +76,7 @@ impl FailingDevice {
         let dir = tempfile::tempdir().unwrap();
         let space = Mounted::tmpfs(dir.path(), "8m");
         FailingDevice {
+            _upper: None,
             device: LoopDevice::attach(&sparse_file(&dir.path().join("backing.img"), 64)),
             _ext4: None,
             _space: space,
@@ -89,6 +92,24 @@ impl FailingDevice {
         (failing, file)
     }
 
+    /// A regular file on an ext4 on [`FailingDevice::under_ext4`]'s loop device: the cache
+    /// that fails lies below the file's own file system, so its failure reaches one of the
+    /// device flushes, whichever descriptor of the file asked.
+    fn file_over_failing_loop() -> (FailingDevice, PathBuf) {
+        let mut failing = FailingDevice::under_ext4();
+        let dir = tempfile::tempdir().unwrap();
+        // Without a journal, as the review's repro had it: a journal's own flushes take
+        // the report first, and every FLUSH then fails anyway.
+        run(Command::new("mkfs.ext4")
+            .args(["-q", "-F", "-O", "^has_journal"])
+            .arg(&failing.device.0));
+        run(Command::new("mount").arg(&failing.device.0).arg(dir.path()));
+        let upper = Mounted(dir.path().to_path_buf());
+        let file = sparse_file(&dir.path().join("export.img"), 32);
+        failing._upper = Some((upper, dir));
+        (failing, file)
+    }
+
     /// A loop device over a 64 MiB file on an ext4 that lives on a failing device (128 MiB
     /// over the same kind of 8 MiB tmpfs). Its writes land in that ext4's page cache, and
     /// its flush (an `fsync` of the file) fails once that writeback does: a cache below
@@ -101,6 +122,7 @@ impl FailingDevice {
         let ext4 = Mounted::ext4(&lower.0, ext4_dir.path());
         let device = LoopDevice::attach(&sparse_file(&ext4_dir.path().join("upper.img"), 64));
         FailingDevice {
+            _upper: None,
             device,
             _ext4: Some((ext4, lower, ext4_dir)),
             _space: space,
@@ -201,7 +223,7 @@ fn a_failed_sync_fails_every_flush_after_it() {
         (failing, path)
     };
     let together = "together EIO EIO EIO\nflush EIO\nother-flush EIO\nother-flush EIO\nread abab\n";
-    let cases: [Case; 7] = [
+    let cases: [Case; 9] = [
         (device, "--cache=writeback", &["flush", "flush"], all_fail),
         (
             device,
@@ -226,6 +248,18 @@ fn a_failed_sync_fails_every_flush_after_it() {
         // A direct FUA write's flush to the device takes the failure report of the cache
         // below it: it must count (it was lost, and the FLUSH after it answered ok).
         (under_ext4, "--cache=none", &["fua", "flush"], fua_first),
+        (
+            FailingDevice::file_over_failing_loop,
+            "--cache=writeback",
+            &["together", "flush"],
+            together,
+        ),
+        (
+            FailingDevice::file_over_failing_loop,
+            "--cache=none",
+            &["fua", "flush"],
+            fua_first,
+        ),
     ];
     for (device, cache, steps, expected) in cases {
         let (failing, export) = device();

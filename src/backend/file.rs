@@ -6,9 +6,10 @@
 //! ([`super::splice`]), and other reads are tried on the calling thread first. With `--cache=none` the file is opened `O_DIRECT` and requests that do not cover
 //! whole blocks are read-modify-written under a range lock ([`super::range_lock`]). TRIM
 //! punches holes, WRITE_ZEROES uses `fallocate`, block status comes from
-//! `SEEK_DATA`/`SEEK_HOLE`, direct FUA writes use `RWF_DSYNC` (page-cache ones a sync), and
-//! FLUSH syncs only when a write completed since the last sync, each sync on a descriptor
-//! of its own ([`SyncFiles`]; and fails for good once a sync failed: [`LostWriteback`]).
+//! `SEEK_DATA`/`SEEK_HOLE`, page-cache FUA writes use `RWF_DSYNC` (direct ones a write and a
+//! sync), and FLUSH syncs only when a write completed since the last sync, answering only
+//! once the syncs beside it ended ([`SyncsInFlight`]; and fails for good once a sync
+//! failed: [`LostWriteback`]).
 
 use std::fs::{File, OpenOptions};
 use std::io::{Seek, SeekFrom};
@@ -78,8 +79,8 @@ pub struct FileBackend {
     locks: RangeLocks,
     dirty: Arc<DirtyTracker>,
     lost: LostWriteback,
-    /// The descriptors syncs use ([`SyncFiles`]).
-    sync_files: SyncFiles,
+    /// The syncs in flight ([`SyncsInFlight`]).
+    syncs: SyncsInFlight,
     behind: Arc<WriteBehind>,
     /// Non-blocking page-cache reads tried, for tests that count them.
     #[cfg(test)]
@@ -162,85 +163,82 @@ impl DirtyTracker {
     }
 }
 
-/// Descriptors of the export's file that only sync, each used by one sync at a time.
+/// The syncs of one export in flight (and page-cache FUA writes, whose `RWF_DSYNC` is a
+/// sync of their range), so that one that succeeded can wait for those beside it.
 ///
-/// Why: Linux reports a failed writeback once to each open file description (the
-/// descriptor's cursor in the file's error sequence moves past it). Two syncs in flight
-/// at once on one descriptor can split the report: one fails, the other succeeds although
-/// the data it covers is lost (a review found three FLUSHes sent together answered EIO,
-/// ok, ok). On descriptors of their own, each sees every failure since its own last sync.
-/// That holds for the page cache of a regular file; a cache below a block device (a loop
-/// device over a file) reports a failure to one of the device flushes it is sent, so for
-/// block devices, and with `--cache=none`, there is one descriptor: syncs run one at a
-/// time (measured: in page-cache mode that lost a quarter of the write+flush rate with 16
-/// connections, 6,611 against 8,917 pairs a second, as syncs in flight together share the
-/// file system's journal commit; with `--cache=none` it cost nothing measurable).
-struct SyncFiles {
-    free: Mutex<Vec<Arc<File>>>,
-    available: tokio::sync::Semaphore,
+/// Why: Linux reports a failed writeback once: to one sync per open file description, and
+/// a cache below the export's file system (a loop device over a file) to one of the device
+/// flushes it is sent, whatever the descriptor. So of two syncs in flight at once, one can
+/// succeed for data that is lost (a review found three FLUSHes sent together answered EIO,
+/// ok, ok). A sync that succeeded therefore answers only once every sync that ran beside
+/// it has ended, and fails if one of them failed ([`FileBackend::sync`]). Measured
+/// against the alternatives (session 63, pairs a second at 16 connections, page cache):
+/// one sync at a time lost a quarter of the write+flush rate (6,611 against 8,917), as
+/// syncs in flight together share the file system's journal commit; a descriptor per sync
+/// kept the rate but not the guarantee under a stacked file system.
+#[derive(Default)]
+struct SyncsInFlight {
+    /// The next sync's number, and the numbers of those in flight.
+    state: Mutex<(u64, std::collections::BTreeSet<u64>)>,
+    ended: tokio::sync::Notify,
 }
 
-/// Syncs in flight at once per page-cache export of a regular file; more wait for a
-/// descriptor.
-const SYNC_FILES: usize = 16;
-
-impl SyncFiles {
-    /// `count` descriptors of `file` (opened again through `/proc/self/fd`, so they are
-    /// of the same file even if its path was replaced since), `writable` for FUA writes.
-    fn of(file: &File, count: usize, writable: bool) -> std::io::Result<SyncFiles> {
-        use std::os::fd::AsRawFd;
-        let path = format!("/proc/self/fd/{}", file.as_raw_fd());
-        let files = (0..count)
-            .map(|_| {
-                OpenOptions::new()
-                    .read(true)
-                    .write(writable)
-                    .open(&path)
-                    .map(Arc::new)
-            })
-            .collect::<std::io::Result<Vec<_>>>()?;
-        Ok(SyncFiles {
-            available: tokio::sync::Semaphore::new(files.len()),
-            free: Mutex::new(files),
-        })
+impl SyncsInFlight {
+    /// A sync starts: it is in flight until its ticket ends (or is dropped).
+    fn start(&self) -> SyncTicket<'_> {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let id = state.0;
+        state.0 += 1;
+        state.1.insert(id);
+        SyncTicket {
+            syncs: self,
+            id,
+            ended: false,
+        }
     }
 
-    /// A descriptor no other sync uses, until the guard is dropped.
-    async fn take(&self) -> SyncFile<'_> {
-        let permit = self
-            .available
-            .acquire()
-            .await
-            .expect("the semaphore is never closed");
-        let file = self
-            .free
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .pop()
-            .expect("a permit stands for a free descriptor");
-        SyncFile {
-            files: self,
-            file: Some(file),
-            _permit: permit,
+    fn finish(&self, id: u64) -> u64 {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.1.remove(&id);
+        self.ended.notify_waiters();
+        state.0
+    }
+
+    /// Waits until no sync numbered below `end` is in flight.
+    async fn wait_for_those_before(&self, end: u64) {
+        loop {
+            let ended = self.ended.notified();
+            {
+                let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                if state.1.first().map_or(true, |&first| first >= end) {
+                    return;
+                }
+            }
+            ended.await;
         }
     }
 }
 
-/// A descriptor taken from [`SyncFiles`], given back when dropped.
-struct SyncFile<'a> {
-    files: &'a SyncFiles,
-    file: Option<Arc<File>>,
-    _permit: tokio::sync::SemaphorePermit<'a>,
+/// A sync in flight in [`SyncsInFlight`]; ended when dropped, if not before.
+struct SyncTicket<'a> {
+    syncs: &'a SyncsInFlight,
+    id: u64,
+    ended: bool,
 }
 
-impl Drop for SyncFile<'_> {
+impl SyncTicket<'_> {
+    /// The sync ended (its failure, if any, recorded first): returns the number the next
+    /// sync will get, so every sync that ran beside this one has a smaller one.
+    fn end(mut self) -> u64 {
+        self.ended = true;
+        self.syncs.finish(self.id)
+    }
+}
+
+impl Drop for SyncTicket<'_> {
     fn drop(&mut self) {
-        if let Some(file) = self.file.take() {
-            self.files
-                .free
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(file);
+        if !self.ended {
+            self.syncs.finish(self.id);
         }
     }
 }
@@ -259,19 +257,17 @@ impl Drop for SyncFile<'_> {
 /// devices that fail writeback, nbdkit answers the FLUSH after a failed one with success in
 /// both cases, and qemu-nbd with `--cache=none` too.
 ///
-/// What counts: a failed `fdatasync` (FLUSH, a FUA trim or zeroing, and on a block device
-/// with direct I/O a FUA write, which is a write and such a sync there), and in page-cache
-/// mode a failed FUA write (`RWF_DSYNC`; its errno cannot tell a failed writeback from a
-/// failed copy into the page cache, so either stops FLUSH). A failed direct FUA write to a
-/// regular file does not: that is more likely one write's own blocks failing (a bad
-/// sector), which must not stop the export, and its sync takes no report the syncs need.
+/// What counts: a failed `fdatasync` (FLUSH, a FUA trim, zeroing or direct write, which
+/// is a write and such a sync), and in page-cache mode a failed FUA write (`RWF_DSYNC`; its
+/// errno cannot tell a failed writeback from a failed copy into the page cache, so either
+/// stops FLUSH). A failed direct write, FUA or not, does not: that is more likely its own
+/// blocks failing (a bad sector), which must not stop the export.
 ///
-/// The kernel reports a failure once per open file description, so every sync and every
-/// page-cache FUA write takes a descriptor no other one uses meanwhile ([`SyncFiles`]). A
-/// cache below a block device (a loop device over a file) reports to one of the device
-/// flushes it gets, whatever the descriptor: there syncs run one at a time, and a direct
-/// FUA write, whose `RWF_DSYNC` would send a device flush of its own, is a write and a
-/// sync (found by review: its flush took the report, and the FLUSH after it answered ok).
+/// The kernel reports a failure once, so a sync that succeeded answers only after the
+/// syncs beside it, and fails if one of them failed ([`SyncsInFlight`]). A direct FUA write
+/// is not `RWF_DSYNC`: the device flush that sends could take the only report of a failure
+/// in a cache below the device (a loop device over a file), unseen by the syncs (found by
+/// review: the FUA write failed, and the FLUSH after it answered ok).
 #[derive(Default)]
 struct LostWriteback {
     /// The errno of the first failed sync; 0 while none has failed.
@@ -442,16 +438,6 @@ impl FileBackend {
         } else {
             1
         };
-        // Descriptors of their own keep this file's own error reports apart; a cache below
-        // a device (a loop device over a file, a stacked device) reports to one of the
-        // device flushes it gets, so there syncs run one at a time.
-        let concurrent_syncs = if cache == CacheMode::Writeback && !block_device {
-            SYNC_FILES
-        } else {
-            1
-        };
-        let sync_files = SyncFiles::of(&file, concurrent_syncs, !read_only)
-            .with_context(|| format!("opening {} again for syncs", path.display()))?;
         Ok(FileBackend {
             path: path.to_path_buf(),
             file: Arc::new(file),
@@ -468,7 +454,7 @@ impl FileBackend {
             locks: RangeLocks::default(),
             dirty: Arc::new(DirtyTracker::default()),
             lost: LostWriteback::default(),
-            sync_files,
+            syncs: SyncsInFlight::default(),
             behind: Arc::new(WriteBehind::new()),
             #[cfg(test)]
             nowait_tries: AtomicU64::new(0),
@@ -596,19 +582,8 @@ impl FileBackend {
 
     /// Writes all of `data` at `offset` through the ring (`data` must suit the file's
     /// alignment).
-    fn write_through_ring(
+    async fn write_through_ring(
         &self,
-        offset: u64,
-        data: WriteData,
-        fua: bool,
-    ) -> impl std::future::Future<Output = Result<(), BackendError>> + '_ {
-        self.write_through_ring_on(&self.file, offset, data, fua)
-    }
-
-    /// [`FileBackend::write_through_ring`] on `file`, a descriptor of the export's file.
-    async fn write_through_ring_on(
-        &self,
-        file: &Arc<File>,
         offset: u64,
         data: WriteData,
         fua: bool,
@@ -621,7 +596,7 @@ impl FileBackend {
             let n = self
                 .ring
                 .write(
-                    file,
+                    &self.file,
                     offset + done as u64,
                     data.slice(done, end - done),
                     flags,
@@ -691,12 +666,7 @@ impl FileBackend {
 
     /// A direct-I/O write of whole blocks; the data is copied into an aligned buffer when
     /// it does not start on one.
-    async fn write_blocks(
-        &self,
-        offset: u64,
-        data: WriteData,
-        fua: bool,
-    ) -> Result<(), BackendError> {
+    async fn write_blocks(&self, offset: u64, data: WriteData) -> Result<(), BackendError> {
         let data = if data.as_ptr() as usize % self.memory_align == 0 {
             data
         } else {
@@ -707,17 +677,12 @@ impl FileBackend {
             aligned.as_mut().copy_from_slice(&unaligned);
             WriteData::from(aligned.share())
         };
-        self.write_through_ring(offset, data, fua).await
+        self.write_through_ring(offset, data, false).await
     }
 
     /// A direct-I/O write that does not cover whole blocks: read the blocks it touches,
     /// patch in the data, write them back, with the blocks held exclusively throughout.
-    async fn read_modify_write(
-        &self,
-        offset: u64,
-        data: WriteData,
-        fua: bool,
-    ) -> Result<(), BackendError> {
+    async fn read_modify_write(&self, offset: u64, data: WriteData) -> Result<(), BackendError> {
         let (start, end) = self.covering(offset, data.len() as u64);
         let _held = self.locks.lock(start, end, true).await;
         let span = (end - start) as usize;
@@ -737,7 +702,7 @@ impl FileBackend {
             blocks.as_mut()[span - block..].copy_from_slice(last.as_ref());
         }
         blocks.as_mut()[head..tail].copy_from_slice(&data);
-        self.write_through_ring(start, blocks.share().into(), fua)
+        self.write_through_ring(start, blocks.share().into(), false)
             .await
     }
 
@@ -757,51 +722,63 @@ impl FileBackend {
     }
 
     /// A FUA write in page-cache mode: `RWF_DSYNC` (which syncs the write's own range, not
-    /// every dirty page of the file, 0.5–0.9 ms against 422–578 ms with 1 GiB dirty
-    /// elsewhere), on a descriptor no sync uses meanwhile, so that the report of a failed
-    /// writeback it takes is its own and is recorded ([`SyncFiles`], [`LostWriteback`]).
+    /// every dirty page of the file: 0.5–0.9 ms against 422–578 ms with 1 GiB dirty
+    /// elsewhere), in flight as a sync: its failure is recorded, and its success waits for
+    /// the syncs beside it ([`SyncsInFlight`]).
     async fn fua_write_to_page_cache(
         &self,
         offset: u64,
         data: WriteData,
     ) -> Result<(), BackendError> {
         let length = data.len() as u64;
-        let file = self.sync_files.take().await;
         if let Some(lost) = self.lost.error() {
             return Err(BackendError::io("write", offset, length, lost));
         }
-        let file = file.file.as_ref().expect("held until dropped");
-        self.write_through_ring_on(file, offset, data, true)
+        let ticket = self.syncs.start();
+        let written = self.write_through_ring(offset, data, true).await;
+        if let Some(io) = written.as_ref().err().and_then(|e| e.source.as_ref()) {
+            self.sync_failed(io);
+        }
+        let beside = ticket.end();
+        written?;
+        self.after_syncs_beside(beside, "write", offset, length)
             .await
-            .inspect_err(|e| {
-                if let Some(io) = &e.source {
-                    self.sync_failed(io);
-                }
-            })
+    }
+
+    /// Waits for the syncs that ran beside one that succeeded (numbered below `beside`),
+    /// and fails if a failure was recorded meanwhile.
+    async fn after_syncs_beside(
+        &self,
+        beside: u64,
+        op: &'static str,
+        offset: u64,
+        length: u64,
+    ) -> Result<(), BackendError> {
+        self.syncs.wait_for_those_before(beside).await;
+        match self.lost.error() {
+            Some(lost) => Err(BackendError::io(op, offset, length, lost)),
+            None => Ok(()),
+        }
     }
 
     /// Makes every write completed so far durable (`fdatasync`), unless a sync already
-    /// did, on a descriptor no other sync uses meanwhile ([`SyncFiles`]).
-    ///
-    /// The failure check and what the sync must cover are read once the descriptor is
-    /// taken, and a failure is recorded before it is given back: where syncs run one at a
-    /// time, one that waited finds the failure of the one before it, or that it covered
-    /// what this one must (FLUSHes that wait together then share the next sync).
+    /// did. A failure is recorded before the sync ends; a success answers once the syncs
+    /// beside it have ended without one ([`SyncsInFlight`]).
     async fn sync(&self, op: &'static str, offset: u64, length: u64) -> Result<(), BackendError> {
-        let file = self.sync_files.take().await;
         if let Some(lost) = self.lost.error() {
             return Err(BackendError::io(op, offset, length, lost));
         }
         let Some(target) = self.dirty.sync_target() else {
             return Ok(());
         };
-        self.ring
-            .fsync(file.file.as_ref().expect("held until dropped"), true)
-            .await
-            .map_err(|e| {
-                self.sync_failed(&e);
-                BackendError::io(op, offset, length, e)
-            })?;
+        let ticket = self.syncs.start();
+        let synced = self.ring.fsync(&self.file, true).await;
+        if let Err(e) = &synced {
+            self.sync_failed(e);
+        }
+        let beside = ticket.end();
+        synced.map_err(|e| BackendError::io(op, offset, length, e))?;
+        self.after_syncs_beside(beside, op, offset, length).await?;
         self.dirty.synced(target);
         Ok(())
     }
@@ -1036,18 +1013,14 @@ impl Backend for FileBackend {
                 // A FUA write (the rest took the path above).
                 return self.fua_write_to_page_cache(offset, data).await;
             }
-            // Direct I/O. On a block device a FUA write's flush could take the only report
-            // of a failure in a cache below the device ([`LostWriteback`]): there it is a
-            // plain write and a sync, whose failure is recorded.
-            let write_fua = fua && !self.block_device;
+            // Direct I/O. A FUA write is a plain write and a sync: the device flush
+            // `RWF_DSYNC` would send could take the only report of a failure in a cache
+            // below the device ([`LostWriteback`]), which the sync records.
             if offset % self.block == 0 && length % self.block == 0 {
                 let _held = self.lock_shared(offset, length).await;
-                self.write_blocks(offset, data, write_fua).await?;
+                self.write_blocks(offset, data).await?;
             } else {
-                self.read_modify_write(offset, data, write_fua).await?;
-            }
-            if write_fua {
-                return Ok(());
+                self.read_modify_write(offset, data).await?;
             }
             if fua {
                 return self.after_change("write", offset, length, true).await;
@@ -1592,37 +1565,30 @@ mod tests {
         }
     }
 
-    /// Every sync has a descriptor of the file to itself, and gives it back: syncs in
-    /// flight at once never share one (the kernel would report a failure to one of them
-    /// only), and one waits when all are taken.
+    /// A sync that ended waits for every sync that was in flight beside it (started
+    /// before it ended), and for no later one; a ticket dropped unended ends its sync.
     #[test]
-    fn syncs_in_flight_take_descriptors_of_their_own() {
+    fn a_sync_waits_for_the_syncs_beside_it_only() {
         use std::future::Future;
-        use std::os::fd::AsRawFd;
-        let file = tempfile::tempfile().unwrap();
-        let files = SyncFiles::of(&file, 2, false).unwrap();
+        let syncs = SyncsInFlight::default();
+        let earlier = syncs.start();
+        let this = syncs.start();
+        let end = this.end();
+        let later = syncs.start();
+        let mut wait = Box::pin(syncs.wait_for_those_before(end));
         let waker = futures_util::task::noop_waker();
         let mut cx = std::task::Context::from_waker(&waker);
-        let take = |cx: &mut std::task::Context<'_>| {
-            let mut taking = Box::pin(files.take());
-            match taking.as_mut().poll(cx) {
-                std::task::Poll::Ready(taken) => Some(taken),
-                std::task::Poll::Pending => None,
-            }
-        };
-        let first = take(&mut cx).unwrap();
-        let second = take(&mut cx).unwrap();
-        let fd = |f: &SyncFile<'_>| f.file.as_ref().unwrap().as_raw_fd();
-        assert_ne!(fd(&first), fd(&second));
-        assert!(![fd(&first), fd(&second)].contains(&file.as_raw_fd()));
-        assert!(take(&mut cx).is_none(), "a third waits while two are taken");
-        let first_fd = fd(&first);
-        drop(first);
-        assert_eq!(
-            fd(&take(&mut cx).unwrap()),
-            first_fd,
-            "given back when dropped"
+        assert!(
+            wait.as_mut().poll(&mut cx).is_pending(),
+            "the earlier sync runs"
         );
+        drop(earlier);
+        assert!(
+            wait.as_mut().poll(&mut cx).is_ready(),
+            "only the later one runs"
+        );
+        later.end();
+        assert!(syncs.state.lock().unwrap().1.is_empty());
     }
 
     #[test]

@@ -90,11 +90,10 @@ use page_pool::PageBuf;
 pub type BackendFuture<'a, T> = StackFuture<'a, Result<T, BackendError>, BACKEND_FUTURE_ROOM>;
 
 /// Bytes a [`BackendFuture`] holds inline: room for the file backend's read, write and
-/// flush under `--cache=none`, which run once per request (a write takes 776 bytes since
-/// its ring write can go to a descriptor other than the export's own, session 63; 744
-/// before). Wrapping layers (replication, fault injection) hold a whole inner
-/// `BackendFuture` and go on the heap.
-pub const BACKEND_FUTURE_ROOM: usize = 832;
+/// flush under `--cache=none`, which run once per request (a read takes 552 bytes, a
+/// write 744, a flush 288). Wrapping layers (replication, fault injection) hold a whole
+/// inner `BackendFuture` and go on the heap.
+pub const BACKEND_FUTURE_ROOM: usize = 768;
 
 /// `future` as a [`BackendFuture`]: inline when it fits, else boxed.
 pub fn backend_future<'a, T>(

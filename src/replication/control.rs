@@ -181,7 +181,7 @@ impl Shared {
         }
     }
 
-    /// Online verify: compares the CRC32C of every region with every replicating peer.
+    /// Online verify: compares the digest of every region with every replicating peer.
     /// Regions that differ are marked out of sync and the peer is reconnected, which
     /// resyncs them. Answers how many regions differed and with which peers it compared;
     /// an error when no peer could be compared.

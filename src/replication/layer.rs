@@ -39,7 +39,7 @@ const RESYNC_RUN_REGIONS: u64 = 16;
 const RESYNC_FLUSH_REGIONS: usize = 256;
 
 /// Protocol A: what a peer may have unacknowledged before writes wait for it, in bytes
-/// of payload (a trim or zeroing counts 64 KiB: `peer::queue_cost`).
+/// of payload (a trim or zeroing counts by its length, at least 64 KiB: `peer::queue_cost`).
 const PROTOCOL_A_MAX_UNACKED: u64 = 64 << 20;
 
 /// Spaces a resync's data sends so they average the configured rate: each send takes the
@@ -995,8 +995,9 @@ impl Shared {
             let primary = self.is_primary();
             if !primary && in_flight.is_empty() {
                 // Not a lost peer: the demotion's FLUSH still goes to it, then the
-                // demotion drops the link, and the pass ends with it.
-                conn.wait_closed().await;
+                // demotion drops the link, and the pass ends with it. A demotion that
+                // failed drops no link: then the pass ends as a lost peer does.
+                let _ = tokio::time::timeout(self.resource.peer_timeout, conn.wait_closed()).await;
                 return Err("this node stopped being primary".into());
             }
             while primary && on_schedule && !exhausted && regions_in_flight < window {

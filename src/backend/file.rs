@@ -175,7 +175,9 @@ impl DirtyTracker {
 /// against the alternatives (session 63, pairs a second at 16 connections, page cache):
 /// one sync at a time lost a quarter of the write+flush rate (6,611 against 8,917), as
 /// syncs in flight together share the file system's journal commit; a descriptor per sync
-/// kept the rate but not the guarantee under a stacked file system.
+/// kept the rate but not the guarantee under a stacked file system. Only this export's
+/// syncs are tracked: a sync of another file on the same file system can still take a
+/// lower cache's report unseen (ARCHITECTURE.md, "Durability").
 #[derive(Default)]
 struct SyncsInFlight {
     /// The next sync's number, and the numbers of those in flight.

@@ -236,23 +236,35 @@ impl ReplyEncoder {
     pub fn error(&self, out: &mut impl ReplySink, error: NbdError, message: &str) {
         match self.style {
             ReplyStyle::Simple => simple_header(out, error.code(), self.cookie),
-            style => {
-                let message = &message.as_bytes()[..message.len().min(super::MAX_STRING_LEN)];
-                let len = 6 + message.len() as u64;
-                chunk_header(
-                    out,
-                    style,
-                    reply::FLAG_DONE,
-                    reply::TYPE_ERROR,
-                    self.cookie,
-                    self.offset,
-                    len,
-                );
-                out.put(&error.code().to_be_bytes());
-                out.put(&(message.len() as u16).to_be_bytes());
-                out.put(message);
-            }
+            _ => self.error_chunk(
+                out,
+                reply::FLAG_DONE,
+                reply::TYPE_ERROR,
+                error,
+                message,
+                &[],
+            ),
         }
+    }
+
+    /// An error chunk of `kind` with `flags`: the error, the message (cut to the longest
+    /// string the spec allows) and `then` (an `ERROR_OFFSET`'s offset).
+    fn error_chunk(
+        &self,
+        out: &mut impl ReplySink,
+        flags: u16,
+        kind: u16,
+        error: NbdError,
+        message: &str,
+        then: &[u8],
+    ) {
+        let message = &message.as_bytes()[..message.len().min(super::MAX_STRING_LEN)];
+        let len = 6 + message.len() as u64 + then.len() as u64;
+        chunk_header(out, self.style, flags, kind, self.cookie, self.offset, len);
+        out.put(&error.code().to_be_bytes());
+        out.put(&(message.len() as u16).to_be_bytes());
+        out.put(message);
+        out.put(then);
     }
 
     /// A read's failure at `error_offset`, in a reply that goes on: an `ERROR_OFFSET`
@@ -268,21 +280,8 @@ impl ReplyEncoder {
             self.style != ReplyStyle::Simple,
             "a simple reply has no chunks"
         );
-        let message = &message.as_bytes()[..message.len().min(super::MAX_STRING_LEN)];
-        let len = 6 + message.len() as u64 + 8;
-        chunk_header(
-            out,
-            self.style,
-            0,
-            reply::TYPE_ERROR_OFFSET,
-            self.cookie,
-            self.offset,
-            len,
-        );
-        out.put(&error.code().to_be_bytes());
-        out.put(&(message.len() as u16).to_be_bytes());
-        out.put(message);
-        out.put(&error_offset.to_be_bytes());
+        let then = error_offset.to_be_bytes();
+        self.error_chunk(out, 0, reply::TYPE_ERROR_OFFSET, error, message, &then);
     }
 
     /// The header in front of read data. For simple replies this is the whole reply header

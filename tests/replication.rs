@@ -94,6 +94,19 @@ fn start_node_with(config: &Path, node: &str, primary: bool, extra: &[&str]) -> 
 }
 
 /// Waits until `log()` contains `needle` `count` times.
+/// Starts alpha as primary and beta as secondary, and waits until beta is in sync.
+fn start_pair_in_sync(config: &Path) -> (Server, Server) {
+    let primary = start_node(config, "alpha", true);
+    let secondary = start_node(config, "beta", false);
+    wait_for_log(
+        "secondary",
+        || secondary.stderr(),
+        "in sync with the primary",
+        1,
+    );
+    (primary, secondary)
+}
+
 fn wait_for_log(what: &str, log: impl Fn() -> String, needle: &str, count: usize) {
     let deadline = Instant::now() + Duration::from_secs(30);
     while log().matches(needle).count() < count {
@@ -135,14 +148,7 @@ fn writes_through_the_primary_reach_the_secondary_byte_for_byte() {
     }
     let dir = tempfile::tempdir().unwrap();
     let config = loopback_pair(dir.path());
-    let primary = start_node(&config, "alpha", true);
-    let secondary = start_node(&config, "beta", false);
-    wait_for_log(
-        "secondary",
-        || secondary.stderr(),
-        "in sync with the primary",
-        1,
-    );
+    let (primary, secondary) = start_pair_in_sync(&config);
     let out = qemu_io(
         &primary.uri(),
         &[
@@ -179,14 +185,7 @@ fn a_killed_secondary_is_resynced_from_the_bitmap_only() {
     }
     let dir = tempfile::tempdir().unwrap();
     let config = loopback_pair(dir.path());
-    let primary = start_node(&config, "alpha", true);
-    let secondary = start_node(&config, "beta", false);
-    wait_for_log(
-        "secondary",
-        || secondary.stderr(),
-        "in sync with the primary",
-        1,
-    );
+    let (primary, secondary) = start_pair_in_sync(&config);
     let out = qemu_io(&primary.uri(), &["write -P 0x21 0 2M", "flush"]);
     assert!(out.status.success(), "{out:?}");
     secondary.signal("KILL");
@@ -530,14 +529,7 @@ fn status_reports_roles_peers_and_the_bitmap_and_promote_is_checked() {
     }
     let dir = tempfile::tempdir().unwrap();
     let config = loopback_pair(dir.path());
-    let primary = start_node(&config, "alpha", true);
-    let secondary = start_node(&config, "beta", false);
-    wait_for_log(
-        "secondary",
-        || secondary.stderr(),
-        "in sync with the primary",
-        1,
-    );
+    let (primary, secondary) = start_pair_in_sync(&config);
     let status = status_json(&config, "alpha");
     let status = &status["status"];
     assert_eq!(status["role"], "primary");
@@ -597,14 +589,7 @@ fn a_crashed_primary_resyncs_exactly_its_logged_extents() {
     }
     let dir = tempfile::tempdir().unwrap();
     let config = loopback_pair_sized(dir.path(), "64M");
-    let primary = start_node(&config, "alpha", true);
-    let secondary = start_node(&config, "beta", false);
-    wait_for_log(
-        "secondary",
-        || secondary.stderr(),
-        "in sync with the primary",
-        1,
-    );
+    let (primary, secondary) = start_pair_in_sync(&config);
     // Writes in extents 0 and 2 (4 MiB each).
     let out = qemu_io(&primary.uri(), &["write -P 7 0 64k", "write -P 8 9M 64k"]);
     assert!(out.status.success(), "{out:?}");
@@ -813,14 +798,7 @@ fn a_demotion_during_a_slow_resync_returns_at_once() {
         text.replace("resync_rate = \"1G\"", "resync_rate = \"2M\""),
     )
     .unwrap();
-    let primary = start_node(&config, "alpha", true);
-    let secondary = start_node(&config, "beta", false);
-    wait_for_log(
-        "secondary",
-        || secondary.stderr(),
-        "in sync with the primary",
-        1,
-    );
+    let (primary, secondary) = start_pair_in_sync(&config);
     secondary.signal("KILL");
     drop(secondary);
     let out = qemu_io(&primary.uri(), &["write -P 0x5a 0 32M", "flush"]);

@@ -39,9 +39,11 @@
 //!
 //! A nap only ever happens when the read right after the replies found requests already
 //! waiting, or when the round just answered held at least [`NAP_WITHOUT_LOOKING`] requests
-//! (then requests are waiting, and looking first would only cost a receive): a client that
-//! waits for each reply (iodepth 1) never sees one. It blocks the worker thread, so it
-//! happens only while the server has a single connection.
+//! (then requests are waiting, and looking first would only cost a receive). A client that
+//! waits for each reply (iodepth 1) can still have its next request found there, and a nap
+//! then gathers nothing: after [`BARREN_NAPS_END_NAPPING`] such naps in a row the epoch
+//! naps no more. A nap blocks the worker thread, so it happens only while the server has
+//! a single connection.
 
 use std::cell::Cell;
 use std::num::NonZeroU64;
@@ -104,6 +106,18 @@ const NAP_WITHOUT_LOOKING: u32 = 8;
 const LARGE_REQUEST: u64 = 256 * 1024;
 /// Napping epochs with fewer naps than one per this many requests did not nap.
 const MAX_REQUESTS_PER_NAP: u64 = 32;
+/// Naps in a row that gathered nothing after which the epoch naps no more: the client
+/// sends its next request only once it has the replies (iodepth 1), so a nap cannot
+/// gather anything and only delays the request already found.
+///
+/// Measured reason: fio's write+fsync at iodepth 1 sends its next write so soon after the
+/// FLUSH's reply that the receive after the replies finds it, so the probes' napping
+/// epochs napped before every write (`NETBLK_LOG=debug`: 7.9–8.3 against 10.0–10.6
+/// thousand requests a second in those epochs). The probes took about a sixth of a 4 s
+/// run; with naps off (a scratch build), write+fsync rose 3–6% on every export (session
+/// 64, `bench/RESULTS.md`). The epoch's few naps then tell the probe it did not nap
+/// ([`MAX_REQUESTS_PER_NAP`]), so the verdict stays without naps.
+const BARREN_NAPS_END_NAPPING: u32 = 8;
 /// Napping is kept when it loses at most this share of the request rate ...
 ///
 /// The losses to catch are large: naps halved the rate at iodepth 8, cost 4 KiB writes to a
@@ -314,6 +328,9 @@ pub struct Coalesce {
     round_bytes: u64,
     /// The round that just ended held at least [`NAP_WITHOUT_LOOKING`] requests.
     streaming: bool,
+    /// Naps in a row, this epoch, after which nothing more had come
+    /// ([`BARREN_NAPS_END_NAPPING`]).
+    barren_naps: u32,
 }
 
 /// What [`Coalesce::gather`] found.
@@ -340,6 +357,7 @@ impl Default for Coalesce {
             round_requests: 0,
             round_bytes: 0,
             streaming: false,
+            barren_naps: 0,
         }
     }
 }
@@ -368,10 +386,11 @@ impl Coalesce {
         if self.epoch_start.is_none() {
             self.epoch_start = Some(Clocks::now());
             self.epoch_requests = 0;
+            self.barren_naps = 0;
         } else if self.epoch_requests >= EPOCH_REQUESTS || self.epoch_outlasted() {
             self.end_epoch(Clocks::now());
         }
-        self.napping() && !large
+        self.napping() && !large && self.barren_naps < BARREN_NAPS_END_NAPPING
     }
 
     /// Whether the current epoch has lasted [`EPOCH_LONGEST`].
@@ -401,7 +420,13 @@ impl Coalesce {
         };
         self.epoch_naps = self.epoch_naps.saturating_add(1);
         nap(nap_length(self.epoch_rung()));
-        match Self::receive(fd, inbuf) {
+        let gathered = Self::receive(fd, inbuf);
+        if matches!(gathered, Err(Gathered::Nothing)) {
+            self.barren_naps += 1;
+        } else {
+            self.barren_naps = 0;
+        }
+        match gathered {
             Ok(_) => Gathered::Bytes,
             Err(Gathered::Nothing) if found_before => Gathered::Bytes,
             Err(done) => done,
@@ -436,6 +461,7 @@ impl Coalesce {
 
     fn end_epoch(&mut self, now: Clocks) {
         let start = self.epoch_start.replace(now).unwrap_or(now);
+        self.barren_naps = 0;
         let requests = std::mem::take(&mut self.epoch_requests);
         let naps = std::mem::take(&mut self.epoch_naps);
         let took = Totals::between(start, now, requests, naps);
@@ -901,6 +927,51 @@ mod tests {
         let gathered = gather_after_round(&mut c, long, server.as_fd(), &mut inbuf);
         assert!(matches!(gathered, Gathered::Bytes));
         assert_eq!((c.epoch_naps, &inbuf[..]), (2, &b"request"[..]));
+    }
+
+    #[test]
+    fn naps_that_gather_nothing_end_napping_until_the_next_epoch() {
+        use std::io::Write;
+        use std::os::fd::AsFd;
+        let (server, mut client) = std::os::unix::net::UnixStream::pair().unwrap();
+        let mut c = Coalesce {
+            rung: 1,
+            ..Coalesce::default()
+        };
+        assert!(c.replied(1), "rung 1 naps");
+        // An epoch that never outlasts EPOCH_LONGEST, however slowly the test runs.
+        c.epoch_start = Some(Clocks {
+            wall: u64::MAX,
+            cpu: 0,
+        });
+        let mut inbuf = BytesMut::new();
+        // Iodepth 1: the one request is found before the nap, and nothing comes during it.
+        let mut one_at_a_time = |c: &mut Coalesce| {
+            client.write_all(b"request").unwrap();
+            assert!(matches!(
+                c.gather(server.as_fd(), &mut inbuf),
+                Gathered::Bytes
+            ));
+            inbuf.clear();
+        };
+        for _ in 1..BARREN_NAPS_END_NAPPING {
+            one_at_a_time(&mut c);
+            assert!(c.replied(1));
+        }
+        one_at_a_time(&mut c);
+        assert_eq!(c.epoch_naps, BARREN_NAPS_END_NAPPING);
+        assert!(!c.replied(1), "no more naps this epoch");
+        // A nap that gathers something (here: a round long enough to nap without looking,
+        // with the request already sent) starts the count again.
+        c.barren_naps = BARREN_NAPS_END_NAPPING - 1;
+        client.write_all(b"request").unwrap();
+        let gathered = gather_after_round(&mut c, NAP_WITHOUT_LOOKING, server.as_fd(), &mut inbuf);
+        assert!(matches!(gathered, Gathered::Bytes));
+        assert_eq!(c.barren_naps, 0);
+        // And the next epoch naps again.
+        c.barren_naps = BARREN_NAPS_END_NAPPING;
+        c.end_epoch(Clocks::now());
+        assert!(c.replied(1));
     }
 
     #[test]

@@ -32,6 +32,11 @@
 //! [`BYTE_BUDGET`] bytes of payloads and unsent read data, and [`MAX_QUEUED_REPLIES`]
 //! unsent replies; past any of them the socket is not read until replies drain, so a
 //! client that stops reading stops being served.
+//!
+//! When the server stops, the requests in flight are answered, requests read meanwhile
+//! get `NBD_ESHUTDOWN` (`Pipeline::refuse_for_shutdown`), and once nothing is in flight
+//! the connection sends what is queued and ends its stream without a reset
+//! ([`close_gently`]).
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -44,7 +49,7 @@ use std::task::{Context, Poll};
 use bytes::{Buf, BufMut, BytesMut};
 use rustix::io::Errno;
 use smallvec::{smallvec, SmallVec};
-use tokio::io::{AsyncWriteExt, ReadBuf};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, ReadBuf};
 use tokio::sync::watch;
 use tracing::{debug, warn};
 
@@ -115,6 +120,9 @@ const MAX_DRAIN: std::time::Duration = std::time::Duration::from_secs(300);
 /// one more such period, the connection is closed (its requests still finish). A client
 /// reading slowly, or waiting for a slow backend, is not cut off.
 const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// How long a connection that sent its last reply reads on, dropping what comes, for the
+/// client to close its side ([`close_gently`]).
+const LINGER: std::time::Duration = std::time::Duration::from_secs(2);
 /// Free room kept in the read buffer before each socket read.
 const READ_ROOM: usize = 256 * 1024;
 /// Most bytes read into the read buffer at once after a request with a payload of
@@ -375,7 +383,26 @@ pub async fn run<S: Stream>(
     // write abandoned half-way would leave its range unlocked while the disk (or a
     // replica) still applies it, and a later overlapping write could overtake it.
     while pipeline.in_flight.next().await.is_some() {}
+    close_gently(&mut stream).await;
+}
+
+/// Ends a connection without a reset: sends the end of the stream after the replies, then
+/// reads and drops what the client still sends until it closes its side, or for at most
+/// [`LINGER`].
+///
+/// Why: closing a socket that holds unread bytes sends a reset, and the reset discards
+/// every reply the kernel still holds for the client. Found by review at a stop: a client
+/// with 48 replies of 1 MiB queued that sent 4 more requests got 45 of them, then
+/// ECONNRESET; libnbd, which sends a request while earlier replies arrive, saw writes
+/// the server had done and acknowledged fail with ENOTCONN, and none of the
+/// `NBD_ESHUTDOWN` refusals.
+async fn close_gently<S: Stream>(stream: &mut S) {
     let _ = stream.shutdown().await;
+    let mut dropped = vec![0u8; 64 * 1024];
+    let _ = tokio::time::timeout(LINGER, async {
+        while let Ok(1..) = stream.read(&mut dropped).await {}
+    })
+    .await;
 }
 
 /// A write whose payload is still arriving, and where it is gathered (`into`). Payloads
@@ -567,9 +594,10 @@ impl Pipeline {
     }
 
     /// Every request read so far is answered and its reply written, and the connection
-    /// is between requests (no payload half read).
+    /// is between requests (no payload half read) and not stopping.
     fn all_answered(&self) -> bool {
         self.reading
+            && !self.stop_seen
             && !self.eof
             && self.in_flight.is_empty()
             && self.outq.is_empty()
@@ -600,6 +628,38 @@ impl Pipeline {
             &format!("request refused: {error}"),
         );
         self.outq.push_back(Outgoing::new(bytes, None, 0));
+    }
+
+    /// Answers a request read after the server began stopping with `NBD_ESHUTDOWN`, and
+    /// skips its payload; `Err` for a payload too long to skip.
+    ///
+    /// The spec: a stopping server SHOULD answer the requests in flight before it
+    /// disconnects, and the error for requests received meanwhile SHOULD be
+    /// `NBD_ESHUTDOWN`, on which the client MUST disconnect. So the connection reads on
+    /// while requests are in flight and refuses what it reads; once none is, it stops
+    /// reading (in `poll`), sends what is queued and closes ([`close_gently`]). Before,
+    /// the requests read after the stop got no reply at all.
+    fn refuse_for_shutdown(&mut self, header: &RequestHeader) -> Result<(), String> {
+        let payload_len = header.payload_len(self.limits.style);
+        if self.limits.style == RequestStyle::Extended && payload_len > u64::from(u32::MAX) {
+            warn!(payload_len, "absurd payload length: closing the connection");
+            return Err("absurd payload length".into());
+        }
+        self.discard_left = payload_len;
+        debug!(
+            command = header.command,
+            offset = header.offset,
+            length = header.length,
+            "refused request: the server is stopping"
+        );
+        let mut bytes = ReplyHeader::new();
+        self.encoder(header.cookie, header.offset).error(
+            &mut bytes,
+            NbdError::Shutdown,
+            "the server is stopping",
+        );
+        self.outq.push_back(Outgoing::new(bytes, None, 0));
+        Ok(())
     }
 
     /// Parses and admits every complete request in the buffer that the limits allow.
@@ -766,6 +826,10 @@ impl Pipeline {
             if header.command == cmd::DISC {
                 self.stop_reading("client sent NBD_CMD_DISC");
                 return Ok(());
+            }
+            if self.stop_seen {
+                self.refuse_for_shutdown(&header)?;
+                continue;
             }
             let verdict = validate(&header, &self.limits);
             if let Ok(command) = &verdict {
@@ -1421,8 +1485,9 @@ impl Pipeline {
         for _ in 0..ROUNDS_BEFORE_YIELD {
             let mut progressed = false;
             if !self.stop_seen && stopped.as_mut().poll(cx).is_ready() {
+                // Requests read from now on are refused with ESHUTDOWN, until those in
+                // flight are answered (see `refuse_for_shutdown`).
                 self.stop_seen = true;
-                self.stop_reading("the server is stopping");
                 let mut drain = Box::pin(tokio::time::sleep(DRAIN_TIMEOUT));
                 let _ = drain.as_mut().poll(cx);
                 self.drain = Some(drain);
@@ -1512,6 +1577,19 @@ impl Pipeline {
                     }
                     Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
                     Poll::Pending => {}
+                }
+            }
+            // A stopping server reads only while requests are in flight (see
+            // `refuse_for_shutdown`), a write whose payload is still arriving among them,
+            // for at most DRAIN_TIMEOUT after the stop (the drain timer wakes the task
+            // then): a client sending a payload slowly must not hold the stop.
+            if self.stop_seen && self.reading && self.in_flight.is_empty() {
+                let payload_due = self.awaiting_payload.is_some() || self.discard_left > 0;
+                let waited = self
+                    .drain_since
+                    .map_or(true, |since| since.elapsed() >= DRAIN_TIMEOUT);
+                if !payload_due || waited {
+                    self.stop_reading("the server is stopping");
                 }
             }
             if !self.reading && self.in_flight.is_empty() && self.outq.is_empty() {
@@ -3803,6 +3881,156 @@ mod tests {
             tokio::time::sleep(Duration::from_secs(1)).await;
         }
         assert_eq!(received, 4 * (16 + (1 << 20)), "every reply, whole");
+        served.await.unwrap();
+    }
+
+    /// The error and cookie of the next simple reply (no data follows an error).
+    async fn simple_reply_error(client: &mut (impl AsyncReadExt + Unpin)) -> (u32, u64) {
+        let header = read_exactly(client, 16).await;
+        let Some((DecodedReply::Simple { error, cookie }, 16)) =
+            DecodedReply::decode(&header).unwrap()
+        else {
+            panic!("not a simple reply: {header:?}");
+        };
+        (error, cookie)
+    }
+
+    const ESHUTDOWN: u32 = NbdError::Shutdown as u32;
+
+    #[tokio::test]
+    async fn requests_read_after_the_stop_are_refused_with_eshutdown() {
+        let (client, server) = tokio::io::duplex(1 << 20);
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let backend = Arc::new(MemoryBackend::new(64 << 20, false));
+        let (mut client, served) =
+            serve_stoppable(backend.clone(), client, server, false, stop_rx).await;
+        // A read, a write with its payload and a flush, sent as the stop comes: the
+        // connection reads them (its test runtime runs it only once this task waits).
+        let mut batch = request(cmd::READ, 0, 1, 0, 4096);
+        batch.extend(request(cmd::WRITE, 0, 2, 8192, 4096));
+        batch.extend(vec![0x5a; 4096]);
+        batch.extend(request(cmd::FLUSH, 0, 3, 0, 0));
+        stop_tx.send(true).unwrap();
+        client.write_all(&batch).await.unwrap();
+        for cookie in 1..=3 {
+            assert_eq!(simple_reply_error(&mut client).await, (ESHUTDOWN, cookie));
+        }
+        let mut rest = Vec::new();
+        client.read_to_end(&mut rest).await.unwrap();
+        assert!(
+            rest.is_empty(),
+            "nothing after the refusals: {} bytes",
+            rest.len()
+        );
+        served.await.unwrap();
+        let data = backend.read(8192, 4096).await.unwrap().bytes();
+        assert!(
+            data.iter().all(|&b| b == 0),
+            "the refused write was not done"
+        );
+    }
+
+    /// A memory export whose FLUSH waits until the test lets it go.
+    struct HeldFlush {
+        inner: MemoryBackend,
+        release: tokio::sync::Notify,
+    }
+
+    impl Backend for HeldFlush {
+        fn size(&self) -> u64 {
+            self.inner.size()
+        }
+        fn capabilities(&self) -> crate::backend::Capabilities {
+            self.inner.capabilities()
+        }
+        fn read(&self, offset: u64, length: usize) -> crate::backend::BackendFuture<'_, ReadData> {
+            self.inner.read(offset, length)
+        }
+        fn write(
+            &self,
+            offset: u64,
+            data: WriteData,
+            fua: bool,
+        ) -> crate::backend::BackendFuture<'_, ()> {
+            self.inner.write(offset, data, fua)
+        }
+        fn flush(&self) -> crate::backend::BackendFuture<'_, ()> {
+            backend_future(async move {
+                self.release.notified().await;
+                self.inner.flush().await
+            })
+        }
+        fn trim(
+            &self,
+            offset: u64,
+            length: u64,
+            fua: bool,
+        ) -> crate::backend::BackendFuture<'_, ()> {
+            self.inner.trim(offset, length, fua)
+        }
+        fn write_zeroes(
+            &self,
+            offset: u64,
+            length: u64,
+            flags: ZeroFlags,
+        ) -> crate::backend::BackendFuture<'_, ()> {
+            self.inner.write_zeroes(offset, length, flags)
+        }
+        fn cache(&self, offset: u64, length: u64) -> crate::backend::BackendFuture<'_, ()> {
+            self.inner.cache(offset, length)
+        }
+        fn extents(
+            &self,
+            offset: u64,
+            length: u64,
+        ) -> crate::backend::BackendFuture<'_, Vec<crate::backend::Extent>> {
+            self.inner.extents(offset, length)
+        }
+    }
+
+    #[tokio::test]
+    async fn a_stopping_server_answers_what_is_in_flight_and_refuses_what_comes_meanwhile() {
+        let (client, server) = tokio::io::duplex(1 << 20);
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let backend = Arc::new(HeldFlush {
+            inner: MemoryBackend::new(64 << 20, false),
+            release: tokio::sync::Notify::new(),
+        });
+        let (mut client, served) =
+            serve_stoppable(backend.clone(), client, server, false, stop_rx).await;
+        client
+            .write_all(&request(cmd::FLUSH, 0, 1, 0, 0))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        stop_tx.send(true).unwrap();
+        // While the FLUSH is in flight, the connection still reads, and refuses.
+        for cookie in 2..=3 {
+            let mut read = request(cmd::READ, 0, cookie, 0, 4096);
+            if cookie == 3 {
+                read = request(cmd::WRITE, 0, cookie, 0, 4096);
+                read.extend(vec![1u8; 4096]);
+            }
+            client.write_all(&read).await.unwrap();
+            let refusal =
+                tokio::time::timeout(Duration::from_secs(10), simple_reply_error(&mut client))
+                    .await
+                    .expect("a request read after the stop is answered");
+            assert_eq!(refusal, (ESHUTDOWN, cookie));
+        }
+        assert!(
+            !served.is_finished(),
+            "the FLUSH in flight holds the connection"
+        );
+        backend.release.notify_one();
+        assert_eq!(
+            simple_reply_error(&mut client).await,
+            (0, 1),
+            "the FLUSH is answered"
+        );
+        let mut rest = Vec::new();
+        client.read_to_end(&mut rest).await.unwrap();
+        assert!(rest.is_empty());
         served.await.unwrap();
     }
 

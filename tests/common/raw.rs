@@ -85,6 +85,9 @@ pub struct Raw {
     pub context_id: Option<u32>,
     structured_acked: bool,
     extended_acked: bool,
+    /// How the last read that failed ended (an end of stream is `UnexpectedEof`, a reset
+    /// `ConnectionReset`).
+    pub read_failed: Option<ErrorKind>,
 }
 
 /// One decoded reply.
@@ -167,6 +170,7 @@ impl Raw {
             context_id: None,
             structured_acked: false,
             extended_acked: false,
+            read_failed: None,
         }
     }
 
@@ -296,7 +300,10 @@ impl Raw {
     /// Reads exactly `n` bytes; `None` if the server closed the connection (or it timed out).
     pub fn read_n(&mut self, n: usize) -> Option<Vec<u8>> {
         let mut buf = vec![0u8; n];
-        self.sock.read_exact(&mut buf).ok()?;
+        if let Err(e) = self.sock.read_exact(&mut buf) {
+            self.read_failed = Some(e.kind());
+            return None;
+        }
         Some(buf)
     }
 

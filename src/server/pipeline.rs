@@ -621,13 +621,25 @@ impl Pipeline {
             length = header.length,
             "refused request: {error}"
         );
+        self.queue_error_reply(header, error, &format!("request refused: {error}"));
+    }
+
+    fn queue_error_reply(&mut self, header: &RequestHeader, error: NbdError, message: &str) {
         let mut bytes = ReplyHeader::new();
-        self.encoder(header.cookie, header.offset).error(
-            &mut bytes,
-            error,
-            &format!("request refused: {error}"),
-        );
+        self.encoder(header.cookie, header.offset)
+            .error(&mut bytes, error, message);
         self.outq.push_back(Outgoing::new(bytes, None, 0));
+    }
+
+    /// Skips the `payload_len` bytes of a refused request's payload as they come; `Err`
+    /// for one too long to skip (an extended header's length beyond 4 GiB).
+    fn skip_payload(&mut self, payload_len: u64) -> Result<(), String> {
+        if self.limits.style == RequestStyle::Extended && payload_len > u64::from(u32::MAX) {
+            warn!(payload_len, "absurd payload length: closing the connection");
+            return Err("absurd payload length".into());
+        }
+        self.discard_left = payload_len;
+        Ok(())
     }
 
     /// Answers a request read after the server began stopping with `NBD_ESHUTDOWN`, and
@@ -640,25 +652,14 @@ impl Pipeline {
     /// reading (in `poll`), sends what is queued and closes ([`close_gently`]). Before,
     /// the requests read after the stop got no reply at all.
     fn refuse_for_shutdown(&mut self, header: &RequestHeader) -> Result<(), String> {
-        let payload_len = header.payload_len(self.limits.style);
-        if self.limits.style == RequestStyle::Extended && payload_len > u64::from(u32::MAX) {
-            warn!(payload_len, "absurd payload length: closing the connection");
-            return Err("absurd payload length".into());
-        }
-        self.discard_left = payload_len;
+        self.skip_payload(header.payload_len(self.limits.style))?;
         debug!(
             command = header.command,
             offset = header.offset,
             length = header.length,
             "refused request: the server is stopping"
         );
-        let mut bytes = ReplyHeader::new();
-        self.encoder(header.cookie, header.offset).error(
-            &mut bytes,
-            NbdError::Shutdown,
-            "the server is stopping",
-        );
-        self.outq.push_back(Outgoing::new(bytes, None, 0));
+        self.queue_error_reply(header, NbdError::Shutdown, "the server is stopping");
         Ok(())
     }
 
@@ -881,13 +882,7 @@ impl Pipeline {
                         });
                     }
                     other => {
-                        if self.limits.style == RequestStyle::Extended
-                            && payload_len > u64::from(u32::MAX)
-                        {
-                            warn!(payload_len, "absurd payload length: closing the connection");
-                            return Err("absurd payload length".into());
-                        }
-                        self.discard_left = payload_len;
+                        self.skip_payload(payload_len)?;
                         self.queue_error(&header, other.err().unwrap_or(NbdError::Inval));
                     }
                 }
@@ -2132,6 +2127,8 @@ mod tests {
         flushes: std::sync::atomic::AtomicUsize,
         /// The flush (counting from 1) that fails.
         fail_flush: Option<usize>,
+        /// Flushes wait until this is notified.
+        hold_flushes: Option<tokio::sync::Notify>,
         inline_writes: std::sync::atomic::AtomicUsize,
         fail_write_at: Option<u64>,
         fail_read_at: Option<u64>,
@@ -2161,6 +2158,7 @@ mod tests {
                 pooled_writes: Default::default(),
                 flushes: Default::default(),
                 fail_flush: None,
+                hold_flushes: None,
                 inline_writes: Default::default(),
                 fail_write_at,
                 fail_read_at: None,
@@ -2288,6 +2286,12 @@ mod tests {
             if self.fail_flush == Some(number) {
                 let error = BackendError::plain("flush", 0, 0, NbdError::Io);
                 return backend_future(std::future::ready(Err(error)));
+            }
+            if let Some(hold) = &self.hold_flushes {
+                return backend_future(async move {
+                    hold.notified().await;
+                    self.inner.flush().await
+                });
             }
             self.inner.flush()
         }
@@ -3930,71 +3934,13 @@ mod tests {
         );
     }
 
-    /// A memory export whose FLUSH waits until the test lets it go.
-    struct HeldFlush {
-        inner: MemoryBackend,
-        release: tokio::sync::Notify,
-    }
-
-    impl Backend for HeldFlush {
-        fn size(&self) -> u64 {
-            self.inner.size()
-        }
-        fn capabilities(&self) -> crate::backend::Capabilities {
-            self.inner.capabilities()
-        }
-        fn read(&self, offset: u64, length: usize) -> crate::backend::BackendFuture<'_, ReadData> {
-            self.inner.read(offset, length)
-        }
-        fn write(
-            &self,
-            offset: u64,
-            data: WriteData,
-            fua: bool,
-        ) -> crate::backend::BackendFuture<'_, ()> {
-            self.inner.write(offset, data, fua)
-        }
-        fn flush(&self) -> crate::backend::BackendFuture<'_, ()> {
-            backend_future(async move {
-                self.release.notified().await;
-                self.inner.flush().await
-            })
-        }
-        fn trim(
-            &self,
-            offset: u64,
-            length: u64,
-            fua: bool,
-        ) -> crate::backend::BackendFuture<'_, ()> {
-            self.inner.trim(offset, length, fua)
-        }
-        fn write_zeroes(
-            &self,
-            offset: u64,
-            length: u64,
-            flags: ZeroFlags,
-        ) -> crate::backend::BackendFuture<'_, ()> {
-            self.inner.write_zeroes(offset, length, flags)
-        }
-        fn cache(&self, offset: u64, length: u64) -> crate::backend::BackendFuture<'_, ()> {
-            self.inner.cache(offset, length)
-        }
-        fn extents(
-            &self,
-            offset: u64,
-            length: u64,
-        ) -> crate::backend::BackendFuture<'_, Vec<crate::backend::Extent>> {
-            self.inner.extents(offset, length)
-        }
-    }
-
     #[tokio::test]
     async fn a_stopping_server_answers_what_is_in_flight_and_refuses_what_comes_meanwhile() {
         let (client, server) = tokio::io::duplex(1 << 20);
         let (stop_tx, stop_rx) = watch::channel(false);
-        let backend = Arc::new(HeldFlush {
-            inner: MemoryBackend::new(64 << 20, false),
-            release: tokio::sync::Notify::new(),
+        let backend = Arc::new(CountingReads {
+            hold_flushes: Some(tokio::sync::Notify::new()),
+            ..CountingReads::new(None)
         });
         let (mut client, served) =
             serve_stoppable(backend.clone(), client, server, false, stop_rx).await;
@@ -4022,7 +3968,7 @@ mod tests {
             !served.is_finished(),
             "the FLUSH in flight holds the connection"
         );
-        backend.release.notify_one();
+        backend.hold_flushes.as_ref().unwrap().notify_one();
         assert_eq!(
             simple_reply_error(&mut client).await,
             (0, 1),

@@ -408,11 +408,11 @@ fn sigterm_answers_the_requests_it_read_and_keeps_every_acknowledged_write() {
 }
 
 /// A client that left many replies unread when the server stopped, and sent more requests
-/// after the stop, gets every reply to what the server had read, then an orderly end of
-/// stream, not a reset. (A socket closed with unread bytes sends a reset, which discards
-/// the replies the kernel still holds: found by review, 45 of 48 arrived.)
+/// after the stop, gets every reply to what the server had read before the connection
+/// ends. (A socket closed with unread bytes sends a reset, which discards the replies
+/// still in its send queue: found by review, 45 of 48 arrived.)
 #[test]
-fn a_stopping_server_ends_the_stream_after_its_last_reply_without_a_reset() {
+fn a_stopping_server_loses_no_reply_to_a_reset() {
     use common::raw::{Mode, Raw};
     use netblk::wire::cmd;
     const READS: u64 = 48;
@@ -447,16 +447,44 @@ fn a_stopping_server_ends_the_stream_after_its_last_reply_without_a_reset() {
         answered += 1;
     }
     assert_eq!(
-        raw.read_failed,
-        Some(std::io::ErrorKind::UnexpectedEof),
-        "the stream ends, after {answered} replies"
+        answered, READS,
+        "every read the server had read is answered"
     );
-    assert!(answered > 0);
+    // The replies all came; the connection then ends (a reset is harmless now).
+    assert!(
+        matches!(
+            raw.read_failed,
+            Some(std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset)
+        ),
+        "{:?}",
+        raw.read_failed
+    );
     drop(raw);
     let status = server
         .wait_exit(Duration::from_secs(20))
         .expect("exits after SIGTERM");
     assert!(status.success(), "{status}\n{}", server.stderr());
+}
+
+/// A client connected but idle when the server stops (as libnbd and qemu are between
+/// requests: they do not watch the socket) does not hold the stop: the server waits for
+/// its client to close only while replies are unacknowledged (found by review: every such
+/// client added 2 s).
+#[test]
+fn an_idle_client_does_not_slow_a_stop() {
+    use common::raw::{Mode, Raw};
+    let mut server = Server::start(&["memory:64M"]);
+    let mut raw = Raw::session(server.tcp(), Mode::Simple);
+    assert_eq!(raw.read(1, 0, 4096).expect("a read").error, 0);
+    let started = std::time::Instant::now();
+    server.signal("TERM");
+    let status = server
+        .wait_exit(Duration::from_secs(20))
+        .expect("exits after SIGTERM");
+    assert!(status.success(), "{status}");
+    let took = started.elapsed();
+    assert!(took < Duration::from_millis(1500), "{took:?}");
+    drop(raw);
 }
 
 #[test]

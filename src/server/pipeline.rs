@@ -318,7 +318,7 @@ pub async fn run<S: Stream>(
     max_merge: u32,
     mut stop: watch::Receiver<bool>,
 ) {
-    let _counted = CountedConnection::new();
+    let counted = CountedConnection::new();
     let backend = Arc::clone(&negotiated.export.backend);
     let on_device = backend.poll_completions().is_some();
     let capabilities = backend.capabilities();
@@ -339,6 +339,7 @@ pub async fn run<S: Stream>(
         eof: false,
         ending: String::new(),
         discard_left: 0,
+        refusal_after_payload: None,
         awaiting_payload: None,
         in_flight: InFlight::default(),
         outq: VecDeque::new(),
@@ -383,26 +384,44 @@ pub async fn run<S: Stream>(
     // write abandoned half-way would leave its range unlocked while the disk (or a
     // replica) still applies it, and a later overlapping write could overtake it.
     while pipeline.in_flight.next().await.is_some() {}
+    // What the connection held (buffers, its share of the byte budget, its count among
+    // the connections) goes before the linger.
+    drop(pipeline);
+    drop(counted);
     close_gently(&mut stream).await;
 }
 
-/// Ends a connection without a reset: sends the end of the stream after the replies, then
-/// reads and drops what the client still sends until it closes its side, or for at most
-/// [`LINGER`].
+/// Ends a connection without losing replies: sends the end of the stream after them,
+/// then, while the client has not acknowledged all of them, reads and drops what it still
+/// sends, until it closes its side or for at most [`LINGER`].
 ///
 /// Why: closing a socket that holds unread bytes sends a reset, and the reset discards
-/// every reply the kernel still holds for the client. Found by review at a stop: a client
-/// with 48 replies of 1 MiB queued that sent 4 more requests got 45 of them, then
-/// ECONNRESET; libnbd, which sends a request while earlier replies arrive, saw writes
-/// the server had done and acknowledged fail with ENOTCONN, and none of the
-/// `NBD_ESHUTDOWN` refusals.
+/// every reply still in the socket's send queue (what the client's kernel has received,
+/// the client still reads). Found by review at a stop: a client with 48 replies of 1 MiB
+/// queued that sent 4 more requests got 45 of them, then ECONNRESET; libnbd, which sends
+/// a request while earlier replies arrive, saw writes the server had done and
+/// acknowledged fail with ENOTCONN, and none of the `NBD_ESHUTDOWN` refusals. Once the
+/// queue is empty the socket closes at once: lingering for a client that does not watch
+/// its socket (an idle libnbd handle, qemu) added 2 s to every stop (second review).
 async fn close_gently<S: Stream>(stream: &mut S) {
+    const LOOK_AGAIN: std::time::Duration = std::time::Duration::from_millis(1);
     let _ = stream.shutdown().await;
+    let deadline = tokio::time::Instant::now() + LINGER;
     let mut dropped = vec![0u8; 64 * 1024];
-    let _ = tokio::time::timeout(LINGER, async {
-        while let Ok(1..) = stream.read(&mut dropped).await {}
-    })
-    .await;
+    loop {
+        let queued = stream
+            .socket_fd()
+            .and_then(crate::tcp::send_queue_bytes)
+            .unwrap_or(0);
+        if queued == 0 || tokio::time::Instant::now() >= deadline {
+            return;
+        }
+        // The client closed its side (or the socket failed): nothing more to wait for.
+        let read = tokio::time::timeout(LOOK_AGAIN, stream.read(&mut dropped)).await;
+        if let Ok(Ok(0) | Err(_)) = read {
+            return;
+        }
+    }
 }
 
 /// A write whose payload is still arriving, and where it is gathered (`into`). Payloads
@@ -540,6 +559,11 @@ struct Pipeline {
     ending: String,
     /// Payload bytes of a refused request still to throw away.
     discard_left: u64,
+    /// The refusal of that request, sent once its payload is skipped: libnbd files a
+    /// command as in flight only once it has sent the payload, and a reply to one still
+    /// being sent kills its handle ("no matching cookie", found by review), with every
+    /// reply behind it unread.
+    refusal_after_payload: Option<Outgoing>,
     /// A write whose header was parsed and whose payload is still arriving.
     awaiting_payload: Option<PendingPayload>,
     in_flight: InFlight<Finished>,
@@ -624,11 +648,18 @@ impl Pipeline {
         self.queue_error_reply(header, error, &format!("request refused: {error}"));
     }
 
+    /// Queues an error reply to `header`, or holds it until the request's payload is
+    /// skipped ([`Pipeline::skip_payload`] comes first).
     fn queue_error_reply(&mut self, header: &RequestHeader, error: NbdError, message: &str) {
         let mut bytes = ReplyHeader::new();
         self.encoder(header.cookie, header.offset)
             .error(&mut bytes, error, message);
-        self.outq.push_back(Outgoing::new(bytes, None, 0));
+        let reply = Outgoing::new(bytes, None, 0);
+        if self.discard_left > 0 {
+            self.refusal_after_payload = Some(reply);
+        } else {
+            self.outq.push_back(reply);
+        }
     }
 
     /// Skips the `payload_len` bytes of a refused request's payload as they come; `Err`
@@ -744,6 +775,9 @@ impl Pipeline {
                 if self.discard_left > 0 {
                     return Ok(());
                 }
+                if let Some(refusal) = self.refusal_after_payload.take() {
+                    self.outq.push_back(refusal);
+                }
             }
             if let Some(mut pending) = self.awaiting_payload.take() {
                 let need = pending.header.length as usize;
@@ -806,7 +840,14 @@ impl Pipeline {
                 continue;
             }
             let header_len = self.limits.style.header_len();
-            if !self.reading || !self.can_admit() || self.inbuf.len() < header_len {
+            // After the stop every request is refused, which takes no budget: what the
+            // read buffer holds is answered (up to the reply queue's bound).
+            let room = if self.stop_seen {
+                self.outq.len() < MAX_QUEUED_REPLIES
+            } else {
+                self.can_admit()
+            };
+            if !self.reading || !room || self.inbuf.len() < header_len {
                 return Ok(());
             }
             let header = match RequestHeader::decode(&self.inbuf, self.limits.style) {
@@ -1575,11 +1616,13 @@ impl Pipeline {
                 }
             }
             // A stopping server reads only while requests are in flight (see
-            // `refuse_for_shutdown`), a write whose payload is still arriving among them,
-            // for at most DRAIN_TIMEOUT after the stop (the drain timer wakes the task
-            // then): a client sending a payload slowly must not hold the stop.
+            // `refuse_for_shutdown`), a write read before the stop whose payload is still
+            // arriving among them, for at most DRAIN_TIMEOUT after the stop (the drain
+            // timer wakes the task then): a client sending a payload slowly must not hold
+            // the stop. A refused write's payload is not waited for: its refusal is then
+            // dropped, and the client sees the write fail with the connection's end.
             if self.stop_seen && self.reading && self.in_flight.is_empty() {
-                let payload_due = self.awaiting_payload.is_some() || self.discard_left > 0;
+                let payload_due = self.awaiting_payload.is_some();
                 let waited = self
                     .drain_since
                     .map_or(true, |since| since.elapsed() >= DRAIN_TIMEOUT);
@@ -3934,8 +3977,14 @@ mod tests {
         );
     }
 
-    #[tokio::test]
-    async fn a_stopping_server_answers_what_is_in_flight_and_refuses_what_comes_meanwhile() {
+    /// A connection (simple replies) whose FLUSH (cookie 1) is held in the backend, and
+    /// the server then told to stop: the client, the connection's task, and the backend,
+    /// whose `hold_flushes` lets the FLUSH go.
+    async fn stopping_with_a_flush_held() -> (
+        DuplexStream,
+        tokio::task::JoinHandle<()>,
+        Arc<CountingReads>,
+    ) {
         let (client, server) = tokio::io::duplex(1 << 20);
         let (stop_tx, stop_rx) = watch::channel(false);
         let backend = Arc::new(CountingReads {
@@ -3950,20 +3999,35 @@ mod tests {
             .unwrap();
         tokio::time::sleep(Duration::from_millis(50)).await;
         stop_tx.send(true).unwrap();
+        (client, served, backend)
+    }
+
+    #[tokio::test]
+    async fn a_stopping_server_answers_what_is_in_flight_and_refuses_what_comes_meanwhile() {
+        let (mut client, served, backend) = stopping_with_a_flush_held().await;
         // While the FLUSH is in flight, the connection still reads, and refuses.
-        for cookie in 2..=3 {
-            let mut read = request(cmd::READ, 0, cookie, 0, 4096);
-            if cookie == 3 {
-                read = request(cmd::WRITE, 0, cookie, 0, 4096);
-                read.extend(vec![1u8; 4096]);
-            }
-            client.write_all(&read).await.unwrap();
-            let refusal =
-                tokio::time::timeout(Duration::from_secs(10), simple_reply_error(&mut client))
-                    .await
-                    .expect("a request read after the stop is answered");
-            assert_eq!(refusal, (ESHUTDOWN, cookie));
-        }
+        client
+            .write_all(&request(cmd::READ, 0, 2, 0, 4096))
+            .await
+            .unwrap();
+        let answer = tokio::time::timeout(Duration::from_secs(10), simple_reply_error(&mut client))
+            .await
+            .expect("a request read after the stop is answered");
+        assert_eq!(answer, (ESHUTDOWN, 2));
+        // A write's refusal waits for its payload: libnbd would take a reply to a command
+        // whose payload it is still sending for a server bug, and drop the connection.
+        client
+            .write_all(&request(cmd::WRITE, 0, 3, 0, 4096))
+            .await
+            .unwrap();
+        client.write_all(&[1u8; 4000]).await.unwrap();
+        let early = tokio::time::timeout(Duration::from_millis(100), client.read_u8()).await;
+        assert!(early.is_err(), "no reply before the payload is all sent");
+        client.write_all(&[1u8; 96]).await.unwrap();
+        let answer = tokio::time::timeout(Duration::from_secs(10), simple_reply_error(&mut client))
+            .await
+            .expect("the write is refused once its payload came");
+        assert_eq!(answer, (ESHUTDOWN, 3));
         assert!(
             !served.is_finished(),
             "the FLUSH in flight holds the connection"
@@ -3978,6 +4042,29 @@ mod tests {
         client.read_to_end(&mut rest).await.unwrap();
         assert!(rest.is_empty());
         served.await.unwrap();
+    }
+
+    /// A refused write whose payload stops coming does not hold the stop once nothing
+    /// else is in flight: the connection ends without waiting for the drain timer.
+    #[tokio::test]
+    async fn a_refused_write_whose_payload_stalls_does_not_hold_the_stop() {
+        let (mut client, served, backend) = stopping_with_a_flush_held().await;
+        let mut stalled = request(cmd::WRITE, 0, 2, 0, 1 << 20);
+        stalled.extend(vec![2u8; 1000]);
+        client.write_all(&stalled).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        backend.hold_flushes.as_ref().unwrap().notify_one();
+        assert_eq!(simple_reply_error(&mut client).await, (0, 1));
+        tokio::time::timeout(DRAIN_TIMEOUT / 2, served)
+            .await
+            .expect("the connection ends without the rest of the payload")
+            .unwrap();
+        let mut rest = Vec::new();
+        client.read_to_end(&mut rest).await.unwrap();
+        assert!(
+            rest.is_empty(),
+            "the refusal of the unfinished write is dropped"
+        );
     }
 
     /// Short reads whose replies the client does not take each hold the budget as a page:

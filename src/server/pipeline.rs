@@ -563,8 +563,9 @@ struct Pipeline {
     /// The refusal of that request, sent once its payload is skipped: libnbd files a
     /// command as in flight only once it has sent the payload, and a reply to one still
     /// being sent kills its handle ("no matching cookie", found by review), with every
-    /// reply behind it unread.
-    refusal_after_payload: Option<Outgoing>,
+    /// reply behind it unread. With it, whether the request was read before the stop
+    /// (then its payload holds the stop as a write's does).
+    refusal_after_payload: Option<(Outgoing, bool)>,
     /// A write whose header was parsed and whose payload is still arriving.
     awaiting_payload: Option<PendingPayload>,
     in_flight: InFlight<Finished>,
@@ -657,7 +658,7 @@ impl Pipeline {
             .error(&mut bytes, error, message);
         let reply = Outgoing::new(bytes, None, 0);
         if self.discard_left > 0 {
-            self.refusal_after_payload = Some(reply);
+            self.refusal_after_payload = Some((reply, !self.stop_seen));
         } else {
             self.outq.push_back(reply);
         }
@@ -776,7 +777,7 @@ impl Pipeline {
                 if self.discard_left > 0 {
                     return Ok(());
                 }
-                if let Some(refusal) = self.refusal_after_payload.take() {
+                if let Some((refusal, _)) = self.refusal_after_payload.take() {
                     self.outq.push_back(refusal);
                 }
             }
@@ -1620,10 +1621,13 @@ impl Pipeline {
             // `refuse_for_shutdown`), a write read before the stop whose payload is still
             // arriving among them, for at most DRAIN_TIMEOUT after the stop (the drain
             // timer wakes the task then): a client sending a payload slowly must not hold
-            // the stop. A refused write's payload is not waited for: its refusal is then
-            // dropped, and the client sees the write fail with the connection's end.
+            // the stop; so is the payload of a request refused before the stop (its
+            // refusal waits for it). The payload of one refused after the stop is not
+            // waited for: its refusal is dropped, and the client sees the write fail with
+            // the connection's end.
             if self.stop_seen && self.reading && self.in_flight.is_empty() {
-                let payload_due = self.awaiting_payload.is_some();
+                let payload_due = self.awaiting_payload.is_some()
+                    || matches!(self.refusal_after_payload, Some((_, true)));
                 let waited = self
                     .drain_since
                     .map_or(true, |since| since.elapsed() >= DRAIN_TIMEOUT);
@@ -4066,6 +4070,37 @@ mod tests {
             rest.is_empty(),
             "the refusal of the unfinished write is dropped"
         );
+    }
+
+    /// A write refused before the stop (here: past the end of the export) whose payload
+    /// is still arriving at the stop is answered once the payload came, as a valid one
+    /// would be (found by review: its refusal was dropped with the connection).
+    #[tokio::test]
+    async fn a_request_refused_before_the_stop_is_answered_after_its_payload() {
+        let (client, server) = tokio::io::duplex(1 << 20);
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let backend = Arc::new(MemoryBackend::new(1 << 20, false));
+        let (mut client, served) = serve_stoppable(backend, client, server, false, stop_rx).await;
+        client
+            .write_all(&request(cmd::WRITE, 0, 7, 2 << 20, 65536))
+            .await
+            .unwrap();
+        client.write_all(&[3u8; 30000]).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        stop_tx.send(true).unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        client.write_all(&[3u8; 65536 - 30000]).await.unwrap();
+        let (error, cookie) =
+            tokio::time::timeout(Duration::from_secs(10), simple_reply_error(&mut client))
+                .await
+                .expect("the refusal comes once the payload did");
+        assert_eq!(cookie, 7);
+        assert_ne!(error, 0);
+        assert_ne!(error, ESHUTDOWN, "refused for itself, before the stop");
+        let mut rest = Vec::new();
+        client.read_to_end(&mut rest).await.unwrap();
+        assert!(rest.is_empty());
+        served.await.unwrap();
     }
 
     /// Short reads whose replies the client does not take each hold the budget as a page:

@@ -313,7 +313,9 @@ impl PartLists {
 
 /// Runs the transmission phase until the client disconnects, breaks the protocol, or the
 /// server stops; every request already read is answered before it returns, unless the
-/// server is stopping and the client's socket takes no reply for [`DRAIN_TIMEOUT`].
+/// server is stopping and the client's socket takes no reply for [`DRAIN_TIMEOUT`], or the
+/// request was refused after the stop and its payload had not all come when nothing else
+/// was in flight.
 pub async fn run<S: Stream>(
     mut stream: S,
     negotiated: Negotiated,

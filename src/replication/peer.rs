@@ -1107,6 +1107,24 @@ mod tests {
         }
     }
 
+    fn trim(seq: u64, length: u64) -> Message {
+        Message::Trim {
+            seq,
+            offset: 0,
+            length,
+            flags: 0,
+        }
+    }
+
+    fn zero(seq: u64, length: u64) -> Message {
+        Message::Zero {
+            seq,
+            offset: 0,
+            length,
+            flags: 0,
+        }
+    }
+
     #[test]
     fn trims_and_zeroing_longer_than_a_primary_sends_end_the_connection() {
         use crate::replication::layer::MAX_PIECE;
@@ -1163,33 +1181,15 @@ mod tests {
     #[test]
     fn trims_and_small_writes_count_toward_the_backlog() {
         let conn = conn();
-        let trim = Message::Trim {
-            seq: 1,
-            offset: 0,
-            length: 256 << 10,
-            flags: 0,
-        };
-        let _trim = conn.send_write(1, 0, 256 << 10, WaitKey::Seq(1), trim);
+        let _trim = conn.send_write(1, 0, 256 << 10, WaitKey::Seq(1), trim(1, 256 << 10));
         let _small = conn.send_write(2, 2 << 20, 512, WaitKey::Seq(2), write(2, 512));
         assert_eq!(conn.unacked_bytes(), (64 << 10) + 4096);
         conn.deliver(WaitKey::Seq(1), Message::Ack { seq: 1, status: 0 });
         assert_eq!(conn.unacked_bytes(), 4096);
         // Long ones count more: a zeroing its length, a trim 1 KiB a MiB.
-        let zero = Message::Zero {
-            seq: 3,
-            offset: 0,
-            length: 256 << 20,
-            flags: 0,
-        };
-        let _zero = conn.send_write(3, 0, 256 << 20, WaitKey::Seq(3), zero);
+        let _zero = conn.send_write(3, 0, 256 << 20, WaitKey::Seq(3), zero(3, 256 << 20));
         assert_eq!(conn.unacked_bytes(), 4096 + (256 << 20));
-        let trim = Message::Trim {
-            seq: 4,
-            offset: 0,
-            length: 1 << 30,
-            flags: 0,
-        };
-        let _trim = conn.send_write(4, 0, 1 << 30, WaitKey::Seq(4), trim);
+        let _trim = conn.send_write(4, 0, 1 << 30, WaitKey::Seq(4), trim(4, 1 << 30));
         assert_eq!(conn.unacked_bytes(), 4096 + (256 << 20) + (1 << 20));
     }
 }

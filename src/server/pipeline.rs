@@ -3951,6 +3951,13 @@ mod tests {
 
     const ESHUTDOWN: u32 = NbdError::Shutdown as u32;
 
+    /// Everything the server still sends until its end of the stream.
+    async fn rest_of_stream(client: &mut (impl AsyncReadExt + Unpin)) -> Vec<u8> {
+        let mut rest = Vec::new();
+        client.read_to_end(&mut rest).await.unwrap();
+        rest
+    }
+
     #[tokio::test]
     async fn requests_read_after_the_stop_are_refused_with_eshutdown() {
         let (client, server) = tokio::io::duplex(1 << 20);
@@ -3969,8 +3976,7 @@ mod tests {
         for cookie in 1..=3 {
             assert_eq!(simple_reply_error(&mut client).await, (ESHUTDOWN, cookie));
         }
-        let mut rest = Vec::new();
-        client.read_to_end(&mut rest).await.unwrap();
+        let rest = rest_of_stream(&mut client).await;
         assert!(
             rest.is_empty(),
             "nothing after the refusals: {} bytes",
@@ -4045,8 +4051,7 @@ mod tests {
             (0, 1),
             "the FLUSH is answered"
         );
-        let mut rest = Vec::new();
-        client.read_to_end(&mut rest).await.unwrap();
+        let rest = rest_of_stream(&mut client).await;
         assert!(rest.is_empty());
         served.await.unwrap();
     }
@@ -4066,8 +4071,7 @@ mod tests {
             .await
             .expect("the connection ends without the rest of the payload")
             .unwrap();
-        let mut rest = Vec::new();
-        client.read_to_end(&mut rest).await.unwrap();
+        let rest = rest_of_stream(&mut client).await;
         assert!(
             rest.is_empty(),
             "the refusal of the unfinished write is dropped"
@@ -4099,8 +4103,7 @@ mod tests {
         assert_eq!(cookie, 7);
         assert_ne!(error, 0);
         assert_ne!(error, ESHUTDOWN, "refused for itself, before the stop");
-        let mut rest = Vec::new();
-        client.read_to_end(&mut rest).await.unwrap();
+        let rest = rest_of_stream(&mut client).await;
         assert!(rest.is_empty());
         served.await.unwrap();
     }

@@ -1619,14 +1619,13 @@ impl Pipeline {
                     Poll::Pending => {}
                 }
             }
-            // A stopping server reads only while requests are in flight (see
-            // `refuse_for_shutdown`), a write read before the stop whose payload is still
-            // arriving among them, for at most DRAIN_TIMEOUT after the stop (the drain
-            // timer wakes the task then): a client sending a payload slowly must not hold
-            // the stop; so is the payload of a request refused before the stop (its
-            // refusal waits for it). The payload of one refused after the stop is not
-            // waited for: its refusal is dropped, and the client sees the write fail with
-            // the connection's end.
+            // A stopping server reads on only while requests are in flight (see
+            // `refuse_for_shutdown`). A request read before the stop whose payload is
+            // still arriving (a write, or one refused whose refusal waits for it) counts
+            // as in flight for at most DRAIN_TIMEOUT after the stop (the drain timer wakes
+            // the task then), so a slow sender cannot hold the stop. The payload of a
+            // request refused after the stop is not waited for: its refusal is dropped,
+            // and the client sees the request fail with the connection's end.
             if self.stop_seen && self.reading && self.in_flight.is_empty() {
                 let payload_due = self.awaiting_payload.is_some()
                     || matches!(self.refusal_after_payload, Some((_, true)));

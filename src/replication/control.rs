@@ -64,12 +64,16 @@ pub struct PeerStatus {
     /// Seconds the current pass still needs at that rate (`None` when none runs).
     #[serde(default)]
     pub resync_eta_seconds: Option<u64>,
+    /// Whether the last pass is still running: it has neither finished nor been cut short
+    /// (by a lost link or a demotion), so the figures above are the current pass's.
+    #[serde(default)]
+    pub resync_running: bool,
 }
 
 impl PeerStatus {
     /// Whether a resync pass to or from this peer is under way.
     pub fn resyncing(&self) -> bool {
-        self.connected && self.resync_done_bytes < self.resync_total_bytes
+        self.connected && self.resync_running
     }
 }
 
@@ -98,6 +102,7 @@ impl Shared {
                 let done = slot.resync_done.load(Ordering::Relaxed) * REGION_SIZE;
                 let total = slot.resync_total.load(Ordering::Relaxed) * REGION_SIZE;
                 let clock = *slot.resync_clock.lock().unwrap_or_else(|e| e.into_inner());
+                let running = conn.is_some() && matches!(clock, Some((_, None)));
                 let (rate, eta) = match clock {
                     Some((start, end)) => {
                         let end = end.unwrap_or_else(std::time::Instant::now);
@@ -126,7 +131,8 @@ impl Shared {
                     resync_sent_bytes: slot.resync_sent.load(Ordering::Relaxed),
                     out_of_sync_bytes: per_peer[slot.index],
                     resync_rate_bytes_per_sec: rate,
-                    resync_eta_seconds: conn.is_some().then_some(eta).flatten(),
+                    resync_eta_seconds: running.then_some(eta).flatten(),
+                    resync_running: running,
                 }
             })
             .collect();
@@ -364,7 +370,8 @@ pub fn render(status: &Status) -> String {
             match peer.resync_eta_seconds {
                 Some(eta) if peer.resyncing() => text.push_str(&format!(", ETA {eta} s")),
                 _ if peer.resyncing() => text.push_str(", ETA unknown"),
-                _ => text.push_str(", done"),
+                _ if peer.resync_done_bytes >= peer.resync_total_bytes => text.push_str(", done"),
+                _ => text.push_str(", stopped"),
             }
         }
         text.push('\n');

@@ -133,6 +133,19 @@ pub struct ReplicatedBackend {
     pub shared: Arc<Shared>,
 }
 
+/// Stops a resync pass's clock (when it started, when it ended) when dropped, if the pass
+/// had not ended yet.
+struct PassClock<'a>(&'a Mutex<Option<(std::time::Instant, Option<std::time::Instant>)>>);
+
+impl Drop for PassClock<'_> {
+    fn drop(&mut self) {
+        let mut clock = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, end @ None)) = clock.as_mut() {
+            *end = Some(std::time::Instant::now());
+        }
+    }
+}
+
 impl Shared {
     /// Builds the shared state; the metadata is marked in use (not clean).
     pub fn new(
@@ -964,6 +977,9 @@ impl Shared {
         slot.resync_sent.store(0, Ordering::Relaxed);
         *slot.resync_clock.lock().unwrap_or_else(|e| e.into_inner()) =
             Some((std::time::Instant::now(), None));
+        // However the pass ends (done, failed, or its future dropped), its clock stops, so
+        // status shows it ended and not running with an ETA.
+        let _pass_clock = PassClock(&slot.resync_clock);
         info!(peer = %slot.config.name, "resync: {} bytes out of sync", total * REGION_SIZE);
         let rate = self.resource.resync_rate;
         let pacer = Pacer::new(rate);
@@ -1056,14 +1072,6 @@ impl Shared {
                 disk: DiskState::UpToDate,
                 generations,
             });
-        }
-        if let Some((_, end)) = slot
-            .resync_clock
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_mut()
-        {
-            *end = Some(std::time::Instant::now());
         }
         info!(peer = %slot.config.name, "resync done: {sent_bytes} bytes sent, the rest had equal checksums");
         Ok(())

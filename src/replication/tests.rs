@@ -142,6 +142,39 @@ async fn cluster(
     running: usize,
     first_secondary_local: Option<Arc<dyn Backend>>,
 ) -> Pair {
+    let pair = cluster_started(
+        protocol,
+        nodes,
+        primary_local,
+        resync_rate,
+        running,
+        first_secondary_local,
+    )
+    .await;
+    // Connected, and the first (full, checksum-only) resync done.
+    tokio::time::timeout(Duration::from_secs(20), async {
+        while pair
+            .secondaries
+            .iter()
+            .any(|s| s.status().disk != "UpToDate")
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the nodes connect and sync");
+    pair
+}
+
+/// As [`cluster`], returning as soon as every node runs, before the first resync is done.
+async fn cluster_started(
+    protocol: &str,
+    nodes: usize,
+    primary_local: Arc<dyn Backend>,
+    resync_rate: &str,
+    running: usize,
+    first_secondary_local: Option<Arc<dyn Backend>>,
+) -> Pair {
     let dir = tempfile::tempdir().unwrap();
     let mut listeners = Vec::new();
     for _ in 0..nodes {
@@ -184,14 +217,6 @@ async fn cluster(
         stops.push(stop);
         tokio::spawn(run_replication(Arc::clone(shared), listener, stop_rx));
     }
-    // Connected, and the first (full, checksum-only) resync done.
-    tokio::time::timeout(Duration::from_secs(20), async {
-        while secondaries.iter().any(|s| s.status().disk != "UpToDate") {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await
-    .expect("the nodes connect and sync");
     Pair {
         primary,
         secondary: Arc::clone(&secondaries[0]),
@@ -724,6 +749,44 @@ async fn the_first_full_resync_sends_only_differing_regions_at_the_configured_ra
     assert_eq!(status.peers[0].resync_total_bytes, SIZE);
     assert_eq!(status.peers[0].resync_sent_bytes, 2 << 20);
     assert_eq!(status.out_of_sync_bytes, 0);
+    let _ = pair.stop.send(true);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resync_pass_cut_short_by_a_demotion_is_not_shown_running() {
+    // 4 MiB differ and travel at 1 MiB/s; the primary is demoted a moment into the pass,
+    // which ends it unfinished, and the link comes back idle (two secondaries). Status
+    // must then say the pass stopped, not show it running with an ETA.
+    let local = Arc::new(MemoryBackend::new(SIZE, false));
+    local
+        .write(0, pattern(6, 4 << 20).into(), false)
+        .await
+        .unwrap();
+    let pair = cluster_started("C", 2, local, "1M", 2, None).await;
+    wait_until("the resync pass is under way", || {
+        let status = pair.primary.status();
+        status.peers[0].resyncing() && status.peers[0].resync_sent_bytes > 0
+    })
+    .await;
+    pair.primary.demote().await.unwrap();
+    pair.primary.drop_connections();
+    wait_until("the link comes back idle", || {
+        pair.primary.status().peers[0].link == "idle"
+    })
+    .await;
+    let status = pair.primary.status();
+    let peer = &status.peers[0];
+    assert!(
+        peer.resync_done_bytes < peer.resync_total_bytes,
+        "the pass was not cut short: {peer:?}"
+    );
+    assert!(!peer.resyncing(), "an ended pass shown running: {peer:?}");
+    assert_eq!(peer.resync_eta_seconds, None);
+    let text = super::control::render(&status);
+    assert!(
+        text.contains(", stopped") && !text.contains("ETA"),
+        "status text: {text}"
+    );
     let _ = pair.stop.send(true);
 }
 

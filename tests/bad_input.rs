@@ -1360,3 +1360,76 @@ fn rule11_a_connection_past_the_limit_is_closed_and_the_others_go_on() {
     assert_usable(&mut next, 4096, 2);
     assert_usable(&mut transmitting, 8192, 3);
 }
+
+#[test]
+fn rule11_a_connection_ended_for_bad_input_frees_its_place_before_its_socket_lingers() {
+    // A client that sent a bad magic and keeps sending: its connection is ended, and its
+    // socket lingers (reading and dropping) for up to 2 s so that no reset is sent. Its
+    // place among `--max-connections` must be free at once, not after the linger.
+    let server = Server::start(&["--max-connections", "1", "memory:64M"]);
+    let mut offender = Raw::session(server.tcp(), Mode::Simple);
+    let mut sock = offender.sock.try_clone().expect("clone");
+    let sender = std::thread::spawn(move || {
+        let garbage = [0xde, 0xad, 0xbe, 0xef].repeat(1024);
+        let until = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < until && sock.write_all(&garbage).is_ok() {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    });
+    let closed = offender.wait_closed(Duration::from_secs(5));
+    assert!(
+        closed.is_closed(),
+        "not closed after a bad magic: {closed:?}"
+    );
+    let ended = Instant::now();
+    let deadline = ended + Duration::from_secs(5);
+    let served = loop {
+        let mut raw = Raw::from_socket(TcpStream::connect(server.tcp()).expect("connect"));
+        if raw.read_n(18).is_some() {
+            break Instant::now();
+        }
+        assert!(Instant::now() < deadline, "no place freed within 5 s");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(
+        served - ended < Duration::from_millis(1000),
+        "the next client waited {:?} for the place of one already ended",
+        served - ended
+    );
+    sender.join().unwrap();
+}
+
+#[test]
+fn a_client_gone_inside_a_write_payload_is_let_go_while_others_hold_the_shared_budget() {
+    // Five connections each ask for 8 reads of 32 MiB and read none of it, which spends
+    // the server-wide byte budget. A client that sends a 32 MiB WRITE, 1 MiB of its
+    // payload, and then ends its side must see the server end the connection: its payload
+    // can never complete. It used to wait for budget room that nothing would ever free.
+    let server = Server::start(&["memory:256M"]);
+    let mut hogs = Vec::new();
+    for h in 0..5u64 {
+        let mut hog = Raw::session(server.tcp(), Mode::Simple);
+        for j in 0..8u64 {
+            hog.request(
+                cmd::READ,
+                0,
+                h * 100 + j,
+                (j * 32 * MIB) % (256 * MIB),
+                32 * MIB,
+                &[],
+            );
+        }
+        hogs.push(hog);
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let mut writer = Raw::session(server.tcp(), Mode::Simple);
+    writer.request(cmd::WRITE, 0, 7, 0, 32 * MIB, &[]);
+    writer.send(&vec![0x55; MIB as usize]);
+    std::thread::sleep(Duration::from_millis(200));
+    let (closed, _) = writer.finish_and_drain(Duration::from_secs(5));
+    assert!(
+        closed,
+        "the server kept a connection whose client ended inside a payload"
+    );
+    drop(hogs);
+}

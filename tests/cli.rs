@@ -466,6 +466,61 @@ fn a_stopping_server_loses_no_reply_to_a_reset() {
     assert!(status.success(), "{status}\n{}", server.stderr());
 }
 
+/// A client that reads its replies slowly, pausing longer than the close's quiet time,
+/// and sends a request after each pause, gets every reply: the connection's end waits
+/// for the replies to leave before it counts the client quiet (found by review: a libnbd
+/// client with a small receive buffer got 38 of 40 reads, and its done writes failed).
+#[test]
+fn a_slow_reader_that_keeps_sending_at_a_stop_gets_every_reply() {
+    use common::raw::{Mode, Raw};
+    use netblk::wire::cmd;
+    const READS: u64 = 40;
+    const LEN: u64 = 1 << 20;
+    const ESHUTDOWN: u32 = 108;
+    let mut server = Server::start(&["memory:64M"]);
+    let mut raw = Raw::session(server.tcp(), Mode::Simple);
+    let reads: Vec<u8> = (0..READS)
+        .flat_map(|i| raw.encode_request(cmd::READ, 0, i, i * LEN, LEN, &[]))
+        .collect();
+    raw.send(&reads);
+    std::thread::sleep(Duration::from_millis(300));
+    server.signal("TERM");
+    let mut answered = 0;
+    let mut late = 1000;
+    while let Some(reply) = raw.reply(LEN as usize) {
+        if reply.cookie >= 1000 {
+            assert_eq!(reply.error, ESHUTDOWN, "{reply:?}");
+            continue;
+        }
+        assert_eq!(reply.error, 0, "{reply:?}");
+        assert_eq!(reply.data.len(), LEN as usize);
+        answered += 1;
+        if answered == READS {
+            break;
+        }
+        // Slower than the close's 50 ms of quiet, and a request after each pause (it is
+        // refused, or never read).
+        std::thread::sleep(Duration::from_millis(80));
+        let request = raw.encode_request(cmd::READ, 0, late, 0, 4096, &[]);
+        late += 1;
+        if !raw.try_send(&request) {
+            break;
+        }
+    }
+    assert_eq!(
+        answered,
+        READS,
+        "read failed: {:?}\n{}",
+        raw.read_failed,
+        server.stderr()
+    );
+    drop(raw);
+    let status = server
+        .wait_exit(Duration::from_secs(20))
+        .expect("exits after SIGTERM");
+    assert!(status.success(), "{status}\n{}", server.stderr());
+}
+
 /// A client connected but idle when the server stops (as libnbd and qemu are between
 /// requests: they do not watch the socket) does not hold the stop: the server waits for
 /// its client to close only while replies are unacknowledged (found by review: every such
@@ -485,6 +540,39 @@ fn an_idle_client_does_not_slow_a_stop() {
     let took = started.elapsed();
     assert!(took < Duration::from_millis(1500), "{took:?}");
     drop(raw);
+}
+
+#[test]
+fn a_client_haggling_when_the_server_stops_has_its_options_refused_with_shutdown() {
+    // The spec ("Termination of the session during option haggling"): a stopping server
+    // SHOULD error further options with NBD_REP_ERR_SHUTDOWN; NBD_OPT_ABORT still gets
+    // its ACK. The stream used to be cut with no reply (found by review).
+    use common::raw::Raw;
+    use netblk::wire::handshake::ClientOption;
+    use netblk::wire::rep;
+    let mut server = Server::start(&["memory:64M"]);
+    let mut raw = Raw::hello(server.tcp());
+    let listed = raw.option(ClientOption::List);
+    assert_eq!(listed.last().map(|r| r.reply_type), Some(rep::ACK));
+    server.signal("TERM");
+    std::thread::sleep(Duration::from_millis(200));
+    for _ in 0..2 {
+        let refused = raw.option(ClientOption::List);
+        assert_eq!(
+            refused.iter().map(|r| r.reply_type).collect::<Vec<_>>(),
+            [rep::ERR_SHUTDOWN],
+            "{refused:?}"
+        );
+    }
+    let aborted = raw.option(ClientOption::Abort);
+    assert_eq!(
+        aborted.iter().map(|r| r.reply_type).collect::<Vec<_>>(),
+        [rep::ACK]
+    );
+    let status = server
+        .wait_exit(Duration::from_secs(20))
+        .expect("exits after SIGTERM");
+    assert!(status.success(), "{status}");
 }
 
 #[test]

@@ -45,12 +45,19 @@ pub enum NegotiationEnd {
     ExportNameWithExtendedHeaders,
     #[error("I/O error during negotiation: {0}")]
     Io(#[from] std::io::Error),
+    #[error("NBD_OPT_EXPORT_NAME while the server stops: closing (it has no error reply)")]
+    ExportNameWhileStopping,
 }
 
 impl NegotiationEnd {
     /// Whether this ending is the client's misbehaviour (and so worth a warning).
     pub fn is_violation(&self) -> bool {
-        !matches!(self, NegotiationEnd::Aborted | NegotiationEnd::Closed)
+        !matches!(
+            self,
+            NegotiationEnd::Aborted
+                | NegotiationEnd::Closed
+                | NegotiationEnd::ExportNameWhileStopping
+        )
     }
 }
 
@@ -249,9 +256,13 @@ fn closed(e: std::io::Error) -> NegotiationEnd {
 }
 
 /// Runs the handshake on `stream` until transmission starts or the connection must end.
+/// Once `stopping` says the server stops, every further option but `NBD_OPT_ABORT` is
+/// refused with `NBD_REP_ERR_SHUTDOWN`, as the spec asks ("Termination of the session
+/// during option haggling"), so the client learns why instead of seeing the stream cut.
 pub async fn negotiate<S>(
     stream: &mut S,
     exports: &[Arc<Export>],
+    stopping: impl Fn() -> bool,
 ) -> Result<Negotiated, NegotiationEnd>
 where
     S: AsyncRead + AsyncWrite + Unpin,
@@ -334,6 +345,21 @@ where
             }
         };
         debug!(?option, "option");
+        if stopping() {
+            match option {
+                ClientOption::Abort => {}
+                ClientOption::ExportName(_) => return Err(NegotiationEnd::ExportNameWhileStopping),
+                _ => {
+                    let refusal = OptionReply::error(
+                        header.option,
+                        rep::ERR_SHUTDOWN,
+                        "the server is stopping",
+                    );
+                    send_replies(stream, &[refusal]).await?;
+                    continue;
+                }
+            }
+        }
         match haggle.step(option)? {
             Step::Reply(replies) => send_replies(stream, &replies).await?,
             Step::Transmit(replies, negotiated) => {

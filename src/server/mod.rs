@@ -93,6 +93,9 @@ pub const DEFAULT_MAX_MERGE: u32 = 256 * 1024;
 /// clients open (nbdcopy 4, the kernel's driver one per CPU), while what all of them can
 /// make the server hold stays bounded: 1 GiB shared plus 32 MiB each, 5 GiB in all.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 128;
+/// How long a handshake under way goes on after the server stops, refusing options with
+/// `NBD_REP_ERR_SHUTDOWN`, before the connection is closed.
+const HANDSHAKE_AFTER_STOP: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// A bound listening socket.
 pub enum Listener {
@@ -534,8 +537,13 @@ impl ConnectionThreads {
         let span = tracing::Span::current();
         thread.handle.spawn(
             async move {
+                let mut alive = alive;
+                let leave_list = alive.leave_list();
                 match stream.register() {
-                    Ok(stream) => pipeline::run(stream, negotiated, config.max_merge, stop).await,
+                    Ok(stream) => {
+                        let max_merge = config.max_merge;
+                        pipeline::run(stream, negotiated, max_merge, stop, leave_list).await
+                    }
                     Err(e) => warn!("registering the connection failed: {e}"),
                 }
                 drop(alive);
@@ -584,6 +592,14 @@ struct Alive {
 }
 
 impl Alive {
+    /// What takes the connection off the list of clients (freeing its slot) when called,
+    /// while the server's shutdown still waits for `self`: for the end of a connection,
+    /// before its socket lingers.
+    fn leave_list(&mut self) -> impl FnOnce() + Send {
+        let slot = self.client.take();
+        move || drop(slot)
+    }
+
     /// Records the export the handshake chose.
     fn transmitting(&self, export: &str) {
         if let Some(client) = &self.client {
@@ -603,7 +619,9 @@ async fn serve_connection<S: Stream>(
         return;
     };
     alive.transmitting(&negotiated.export.name);
-    pipeline::run(stream, negotiated, config.max_merge, stop).await;
+    let mut alive = alive;
+    let leave_list = alive.leave_list();
+    pipeline::run(stream, negotiated, config.max_merge, stop, leave_list).await;
     drop(alive);
 }
 
@@ -662,7 +680,9 @@ async fn place_registered<S: Unregister>(
     };
     alive.transmitting(&negotiated.export.name);
     if negotiated.export.backend.completes_through_ring() {
-        pipeline::run(stream, negotiated, config.max_merge, stop).await;
+        let mut alive = alive;
+        let leave_list = alive.leave_list();
+        pipeline::run(stream, negotiated, config.max_merge, stop, leave_list).await;
         drop(alive);
         return;
     }
@@ -679,16 +699,34 @@ async fn negotiate<S: Stream>(
     config: &ServerConfig,
     stop: &mut watch::Receiver<bool>,
 ) -> Option<handshake::Negotiated> {
-    let handshake = tokio::time::timeout(
-        config.handshake_timeout,
-        handshake::negotiate(stream, &config.exports),
-    );
-    let negotiated = tokio::select! {
-        _ = stop.wait_for(|s| *s) => {
-            tracing::debug!("server stopping during the handshake: closing");
-            return None;
+    let stopping = stop.clone();
+    let negotiated = {
+        let handshake = tokio::time::timeout(
+            config.handshake_timeout,
+            handshake::negotiate(&mut *stream, &config.exports, move || {
+                let stopped = *stopping.borrow();
+                stopped
+            }),
+        );
+        tokio::pin!(handshake);
+        tokio::select! {
+            () = async { drop(stop.wait_for(|s| *s).await) } => {
+                // The handshake goes on for a moment, refusing every further option with
+                // NBD_REP_ERR_SHUTDOWN, so a client that is haggling learns why it ends.
+                // One that agreed on an export just before (its GO was being answered)
+                // starts transmission, which refuses what it reads.
+                match tokio::time::timeout(HANDSHAKE_AFTER_STOP, &mut handshake).await {
+                    Ok(Ok(Ok(negotiated))) => Some(Ok(Ok(negotiated))),
+                    Ok(_) | Err(_) => None,
+                }
+            }
+            result = &mut handshake => Some(result),
         }
-        result = handshake => result,
+    };
+    let Some(negotiated) = negotiated else {
+        tracing::debug!("server stopping during the handshake: closing");
+        pipeline::close_gently(stream).await;
+        return None;
     };
     match negotiated {
         Err(_) => {

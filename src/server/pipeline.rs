@@ -125,6 +125,10 @@ const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 const LINGER: std::time::Duration = std::time::Duration::from_secs(2);
 /// ... and how long it waits for a client that sends nothing.
 const QUIET: std::time::Duration = std::time::Duration::from_millis(50);
+/// ... or for a client that sent something since the end of the stream.
+const QUIET_AFTER_SENDING: std::time::Duration = std::time::Duration::from_millis(500);
+/// How often a closing connection looks at its send queue while replies still wait in it.
+const DRAIN_POLL: std::time::Duration = std::time::Duration::from_millis(10);
 /// Free room kept in the read buffer before each socket read.
 const READ_ROOM: usize = 256 * 1024;
 /// Most bytes read into the read buffer at once after a request with a payload of
@@ -316,11 +320,15 @@ impl PartLists {
 /// server is stopping and the client's socket takes no reply for [`DRAIN_TIMEOUT`], or the
 /// request was refused after the stop and its payload had not all come when nothing else
 /// was in flight.
+/// `before_linger` runs when the connection is done with, before its socket lingers
+/// ([`close_gently`]): it frees the connection's client slot, so a new client is not
+/// refused for up to [`LINGER`] after this one was ended (found by review).
 pub async fn run<S: Stream>(
     mut stream: S,
     negotiated: Negotiated,
     max_merge: u32,
     mut stop: watch::Receiver<bool>,
+    before_linger: impl FnOnce(),
 ) {
     let counted = CountedConnection::new();
     let backend = Arc::clone(&negotiated.export.backend);
@@ -392,6 +400,7 @@ pub async fn run<S: Stream>(
     // the connections) goes before the linger.
     drop(pipeline);
     drop(counted);
+    before_linger();
     close_gently(&mut stream).await;
 }
 
@@ -409,20 +418,50 @@ pub async fn run<S: Stream>(
 /// this; 4–57 a run when the socket closed as soon as the replies were acknowledged).
 /// A client that sends nothing is not waited for beyond [`QUIET`]: an idle libnbd handle
 /// or qemu does not watch its socket, and waiting for it added 2 s to every stop.
-async fn close_gently<S: Stream>(stream: &mut S) {
+///
+/// Quiet counts only once the socket's send queue is empty (every reply acknowledged by
+/// the client's kernel), and a client that sent anything since the end of the stream is
+/// given [`QUIET_AFTER_SENDING`]: it has not read up to the end yet (it would have
+/// closed), and a slow reader pauses between its reads. Closing in such a pause let its
+/// next request bring the reset (found by review: a libnbd client reading through a
+/// 64 KiB buffer got 38 of 40 reads and saw all 8 of its done writes fail). While the
+/// queue drains, each shrink of it gives the client another [`LINGER`], up to
+/// [`MAX_DRAIN`] in all; a client that sends without reading is still cut after
+/// [`LINGER`].
+pub(super) async fn close_gently<S: Stream>(stream: &mut S) {
     let _ = stream.shutdown().await;
-    let deadline = tokio::time::Instant::now() + LINGER;
+    let started = tokio::time::Instant::now();
+    let mut deadline = started + LINGER;
+    let mut queued_before = u32::MAX;
+    let mut heard = false;
     let mut dropped = vec![0u8; 64 * 1024];
     loop {
+        let queued = stream
+            .socket_fd()
+            .and_then(crate::tcp::send_queue_bytes)
+            .unwrap_or(0);
+        if queued < queued_before {
+            deadline = (tokio::time::Instant::now() + LINGER).min(started + MAX_DRAIN);
+        }
+        queued_before = queued;
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         if left.is_zero() {
             return;
         }
-        match tokio::time::timeout(left.min(QUIET), stream.read(&mut dropped)).await {
+        let wait = match (queued, heard) {
+            (1.., _) => DRAIN_POLL,
+            (0, true) => QUIET_AFTER_SENDING,
+            (0, false) => QUIET,
+        };
+        match tokio::time::timeout(left.min(wait), stream.read(&mut dropped)).await {
             // Still sending: it has not yet seen the end of the stream.
-            Ok(Ok(1..)) => {}
-            // Closed, failed, or quiet.
-            Ok(Ok(0) | Err(_)) | Err(_) => return,
+            Ok(Ok(1..)) => heard = true,
+            // Closed or failed.
+            Ok(Ok(0) | Err(_)) => return,
+            // Quiet, with nothing left to deliver.
+            Err(_) if queued == 0 => return,
+            // Quiet, with replies still on their way: look at the queue again.
+            Err(_) => {}
         }
     }
 }
@@ -1409,8 +1448,13 @@ impl Pipeline {
             }
             // After the client's end of stream, what is buffered is still served; once
             // parsing stops for want of bytes rather than of room, nothing more will come.
-            if self.eof && self.reading && self.can_admit() {
-                let why = if self.awaiting_payload.is_some() || self.discard_left > 0 {
+            // A payload cut off by the end never completes, whatever room there is: with
+            // the shared budget spent by others and nothing in flight here, waiting for
+            // room would wait for ever (found by review: the connection stayed, with its
+            // client slot, after the client had gone).
+            let payload_cut_off = self.awaiting_payload.is_some() || self.discard_left > 0;
+            if self.eof && self.reading && (payload_cut_off || self.can_admit()) {
+                let why = if payload_cut_off {
                     "connection ended inside a payload"
                 } else {
                     "client closed the connection"

@@ -125,8 +125,6 @@ const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 const LINGER: std::time::Duration = std::time::Duration::from_secs(2);
 /// ... and how long it waits for a client that sends nothing.
 const QUIET: std::time::Duration = std::time::Duration::from_millis(50);
-/// ... or for a client that sent something since the end of the stream.
-const QUIET_AFTER_SENDING: std::time::Duration = std::time::Duration::from_millis(500);
 /// How often a closing connection looks at its send queue while replies still wait in it.
 const DRAIN_POLL: std::time::Duration = std::time::Duration::from_millis(10);
 /// Free room kept in the read buffer before each socket read.
@@ -350,6 +348,7 @@ pub async fn run<S: Stream>(
         reading: true,
         eof: false,
         ending: String::new(),
+        disconnect_received: false,
         discard_left: 0,
         refusal_after_payload: None,
         awaiting_payload: None,
@@ -381,6 +380,15 @@ pub async fn run<S: Stream>(
     });
     let result =
         std::future::poll_fn(|cx| pipeline.poll(cx, Pin::new(&mut stream), stopped.as_mut())).await;
+    // How long the end may wait for replies still in the socket's send queue: not at all
+    // once the socket failed or the client stopped reading them, else up to the drain's
+    // bound, counted from the stop if there was one.
+    let give_up_at = match (&result, pipeline.drain_since) {
+        (Err(_), _) => tokio::time::Instant::now(),
+        (Ok(()), Some(since)) => since + MAX_DRAIN,
+        (Ok(()), None) => tokio::time::Instant::now() + MAX_DRAIN,
+    };
+    let disconnected = pipeline.disconnect_received;
     match result {
         Ok(()) => debug!("{}", pipeline.ending),
         Err(e) => {
@@ -400,8 +408,14 @@ pub async fn run<S: Stream>(
     // the connections) goes before the linger.
     drop(pipeline);
     drop(counted);
-    before_linger();
-    close_gently(&mut stream).await;
+    if disconnected {
+        // NBD_CMD_DISC: the client sends nothing more, so closing cannot bring a reset,
+        // and the kernel delivers what is queued after the close.
+        before_linger();
+        let _ = stream.shutdown().await;
+        return;
+    }
+    close_gently(&mut stream, give_up_at, before_linger).await;
 }
 
 /// Ends a connection without losing replies: sends the end of the stream after them,
@@ -421,49 +435,69 @@ pub async fn run<S: Stream>(
 ///
 /// Quiet counts only once the socket's send queue is empty (every reply acknowledged by
 /// the client's kernel), and a client that sent anything since the end of the stream is
-/// given [`QUIET_AFTER_SENDING`]: it has not read up to the end yet (it would have
-/// closed), and a slow reader pauses between its reads. Closing in such a pause let its
+/// not taken for quiet at all: it has not read up to the end yet (it would have closed),
+/// and a slow reader pauses between its reads. Closing in such a pause let its
 /// next request bring the reset (found by review: a libnbd client reading through a
-/// 64 KiB buffer got 38 of 40 reads and saw all 8 of its done writes fail). While the
-/// queue drains, each shrink of it gives the client another [`LINGER`], up to
-/// [`MAX_DRAIN`] in all; a client that sends without reading is still cut after
-/// [`LINGER`].
-pub(super) async fn close_gently<S: Stream>(stream: &mut S) {
+/// 64 KiB buffer got 38 of 40 reads and saw all 8 of its done writes fail). While replies
+/// wait in the send queue, the connection is cut only when the queue has not shrunk for
+/// [`DRAIN_TIMEOUT`] (the stop's own rule), or at `give_up_at`; it keeps its client slot
+/// meanwhile, so lingering sockets stay within `--max-connections`. Once the queue is
+/// empty, `leave_list` frees the slot, and the linger lasts at most [`LINGER`] more: a
+/// client that sends without reading is cut then.
+pub(super) async fn close_gently<S: Stream>(
+    stream: &mut S,
+    give_up_at: tokio::time::Instant,
+    leave_list: impl FnOnce(),
+) {
+    let mut leave_list = Some(leave_list);
     let _ = stream.shutdown().await;
-    let started = tokio::time::Instant::now();
-    let mut deadline = started + LINGER;
+    let mut last_shrink = tokio::time::Instant::now();
     let mut queued_before = u32::MAX;
+    let mut linger_until = None;
     let mut heard = false;
     let mut dropped = vec![0u8; 64 * 1024];
-    loop {
+    let outcome = loop {
         let queued = stream
             .socket_fd()
             .and_then(crate::tcp::send_queue_bytes)
             .unwrap_or(0);
+        let now = tokio::time::Instant::now();
         if queued < queued_before {
-            deadline = (tokio::time::Instant::now() + LINGER).min(started + MAX_DRAIN);
+            last_shrink = now;
         }
         queued_before = queued;
-        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let deadline = if queued > 0 {
+            (last_shrink + DRAIN_TIMEOUT).min(give_up_at)
+        } else {
+            if let Some(leave) = leave_list.take() {
+                leave();
+            }
+            *linger_until.get_or_insert(now + LINGER)
+        };
+        let left = deadline.saturating_duration_since(now);
         if left.is_zero() {
-            return;
+            break "cut";
         }
         let wait = match (queued, heard) {
             (1.., _) => DRAIN_POLL,
-            (0, true) => QUIET_AFTER_SENDING,
+            (0, true) => LINGER,
             (0, false) => QUIET,
         };
         match tokio::time::timeout(left.min(wait), stream.read(&mut dropped)).await {
             // Still sending: it has not yet seen the end of the stream.
             Ok(Ok(1..)) => heard = true,
             // Closed or failed.
-            Ok(Ok(0) | Err(_)) => return,
+            Ok(Ok(0) | Err(_)) => break "closed",
             // Quiet, with nothing left to deliver.
-            Err(_) if queued == 0 => return,
+            Err(_) if queued == 0 => break "quiet",
             // Quiet, with replies still on their way: look at the queue again.
             Err(_) => {}
         }
+    };
+    if let Some(leave) = leave_list.take() {
+        leave();
     }
+    tracing::trace!("connection's linger ended: {outcome}");
 }
 
 /// A write whose payload is still arriving, and where it is gathered (`into`). Payloads
@@ -599,6 +633,8 @@ struct Pipeline {
     drain_since: Option<tokio::time::Instant>,
     /// Why reading stopped.
     ending: String,
+    /// The client sent NBD_CMD_DISC: it sends nothing more.
+    disconnect_received: bool,
     /// Payload bytes of a refused request still to throw away.
     discard_left: u64,
     /// The refusal of that request, sent once its payload is skipped: libnbd files a
@@ -909,6 +945,7 @@ impl Pipeline {
             self.after_large_payload =
                 header.payload_len(self.limits.style) >= u64::from(LARGE_PAYLOAD);
             if header.command == cmd::DISC {
+                self.disconnect_received = true;
                 self.stop_reading("client sent NBD_CMD_DISC");
                 return Ok(());
             }

@@ -407,27 +407,36 @@ fn sigterm_answers_the_requests_it_read_and_keeps_every_acknowledged_write() {
     );
 }
 
+/// A memory export's server, told to stop (SIGTERM) while a simple-reply connection has
+/// `reads` reads of `len` bytes each, at consecutive offsets, sent and none of their
+/// replies read: the server reads what its budget allows and queues the replies the
+/// socket cannot take.
+fn stopping_with_reads_unread(reads: u64, len: u64) -> (Server, common::raw::Raw) {
+    use common::raw::{Mode, Raw};
+    use netblk::wire::cmd;
+    let server = Server::start(&["memory:64M"]);
+    let mut raw = Raw::session(server.tcp(), Mode::Simple);
+    let requests: Vec<u8> = (0..reads)
+        .flat_map(|i| raw.encode_request(cmd::READ, 0, i, i * len, len, &[]))
+        .collect();
+    raw.send(&requests);
+    std::thread::sleep(Duration::from_millis(300));
+    server.signal("TERM");
+    (server, raw)
+}
+
 /// A client that left many replies unread when the server stopped, and sent more requests
 /// after the stop, gets every reply to what the server had read before the connection
 /// ends. (A socket closed with unread bytes sends a reset, which discards the replies
 /// still in its send queue: found by review, 45 of 48 arrived.)
 #[test]
 fn a_stopping_server_loses_no_reply_to_a_reset() {
-    use common::raw::{Mode, Raw};
     use netblk::wire::cmd;
     const READS: u64 = 48;
     const LEN: u64 = 1 << 20;
     const ESHUTDOWN: u32 = 108;
-    let mut server = Server::start(&["memory:64M"]);
-    let mut raw = Raw::session(server.tcp(), Mode::Simple);
-    let reads: Vec<u8> = (0..READS)
-        .flat_map(|i| raw.encode_request(cmd::READ, 0, i, i * LEN, LEN, &[]))
-        .collect();
-    raw.send(&reads);
-    // The server reads what its budget allows and queues the replies the socket cannot
-    // take; then it is told to stop, and more requests follow.
-    std::thread::sleep(Duration::from_millis(300));
-    server.signal("TERM");
+    let (mut server, mut raw) = stopping_with_reads_unread(READS, LEN);
+    // More requests follow the stop.
     std::thread::sleep(Duration::from_millis(200));
     let late: Vec<u8> = (READS..READS + 4)
         .flat_map(|i| raw.encode_request(cmd::READ, 0, i, 0, 4096, &[]))
@@ -472,19 +481,11 @@ fn a_stopping_server_loses_no_reply_to_a_reset() {
 /// client with a small receive buffer got 38 of 40 reads, and its done writes failed).
 #[test]
 fn a_slow_reader_that_keeps_sending_at_a_stop_gets_every_reply() {
-    use common::raw::{Mode, Raw};
     use netblk::wire::cmd;
     const READS: u64 = 40;
     const LEN: u64 = 1 << 20;
     const ESHUTDOWN: u32 = 108;
-    let mut server = Server::start(&["memory:64M"]);
-    let mut raw = Raw::session(server.tcp(), Mode::Simple);
-    let reads: Vec<u8> = (0..READS)
-        .flat_map(|i| raw.encode_request(cmd::READ, 0, i, i * LEN, LEN, &[]))
-        .collect();
-    raw.send(&reads);
-    std::thread::sleep(Duration::from_millis(300));
-    server.signal("TERM");
+    let (mut server, mut raw) = stopping_with_reads_unread(READS, LEN);
     let mut answered = 0;
     let mut late = 1000;
     while let Some(reply) = raw.reply(LEN as usize) {

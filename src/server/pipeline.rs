@@ -318,9 +318,10 @@ impl PartLists {
 /// server is stopping and the client's socket takes no reply for [`DRAIN_TIMEOUT`], or the
 /// request was refused after the stop and its payload had not all come when nothing else
 /// was in flight.
-/// `before_linger` runs when the connection is done with, before its socket lingers
-/// ([`close_gently`]): it frees the connection's client slot, so a new client is not
-/// refused for up to [`LINGER`] after this one was ended (found by review).
+/// `before_linger` frees the connection's client slot once the connection is done with
+/// and its socket's send queue is empty, before the rest of its linger
+/// ([`close_gently`]): a new client is not refused for up to [`LINGER`] after this one
+/// was ended (found by review), and a socket still delivering replies keeps its place.
 pub async fn run<S: Stream>(
     mut stream: S,
     negotiated: Negotiated,

@@ -96,7 +96,8 @@ pub const DEFAULT_MAX_CONNECTIONS: usize = 128;
 /// How long a handshake under way goes on after the server stops, refusing options with
 /// `NBD_REP_ERR_SHUTDOWN`, before the connection is closed.
 const HANDSHAKE_AFTER_STOP: std::time::Duration = std::time::Duration::from_secs(1);
-/// ... as long as each option follows the last (or the stop) within this.
+/// ... or this long, for a client that sent no option in that time before the stop, if
+/// it sends none after it either.
 const HANDSHAKE_QUIET: std::time::Duration = std::time::Duration::from_millis(50);
 /// The most a connection ended in its handshake waits for its option replies to leave.
 const LINGER_AFTER_HANDSHAKE: std::time::Duration = std::time::Duration::from_secs(2);
@@ -704,13 +705,16 @@ async fn negotiate<S: Stream>(
     stop: &mut watch::Receiver<bool>,
 ) -> Option<handshake::Negotiated> {
     let stopping = stop.clone();
-    // Options refused because the server stops.
+    // Options refused because the server stops, and when the last option came.
     let refused = Arc::new(AtomicUsize::new(0));
-    let refusals = Arc::clone(&refused);
+    let last_option = Arc::new(std::sync::Mutex::new(None::<tokio::time::Instant>));
+    let (refusals, option_seen) = (Arc::clone(&refused), Arc::clone(&last_option));
     let negotiated = {
         let handshake = tokio::time::timeout(
             config.handshake_timeout,
             handshake::negotiate(&mut *stream, &config.exports, move || {
+                *option_seen.lock().unwrap_or_else(|e| e.into_inner()) =
+                    Some(tokio::time::Instant::now());
                 let stopped = *stopping.borrow();
                 if stopped {
                     refusals.fetch_add(1, Ordering::Relaxed);
@@ -721,28 +725,32 @@ async fn negotiate<S: Stream>(
         tokio::pin!(handshake);
         tokio::select! {
             () = async { drop(stop.wait_for(|s| *s).await) } => {
-                // The handshake goes on while the client haggles, refusing every further
-                // option with NBD_REP_ERR_SHUTDOWN, so it learns why the connection ends:
-                // for as long as each option follows the last within HANDSHAKE_QUIET, and
-                // for HANDSHAKE_AFTER_STOP at most. A client that sends nothing costs the
-                // stop HANDSHAKE_QUIET (found by review: a fixed second here made every
-                // silent client cost the stop 1 s). One that agreed on an export just before (its GO
-                // was being answered) starts transmission, which refuses what it reads.
-                let give_up = tokio::time::Instant::now() + HANDSHAKE_AFTER_STOP;
-                let mut seen = refused.load(Ordering::Relaxed);
+                // The handshake goes on for a client that is haggling, refusing every
+                // further option with NBD_REP_ERR_SHUTDOWN, so it learns why the connection
+                // ends: for HANDSHAKE_AFTER_STOP, if it sent an option within that time
+                // before the stop or sends one within HANDSHAKE_QUIET after it. A client
+                // that sends nothing costs the stop HANDSHAKE_QUIET (found by review: a
+                // fixed second here made every silent client cost the stop 1 s; then a
+                // 50 ms gap between options cut clients that were haggling). One that
+                // agreed on an export just before (its GO was being answered) starts
+                // transmission, which refuses what it reads.
+                let stopped_at = tokio::time::Instant::now();
+                let give_up = stopped_at + HANDSHAKE_AFTER_STOP;
+                let mut haggling = last_option
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .is_some_and(|at| stopped_at.duration_since(at) < HANDSHAKE_AFTER_STOP);
                 loop {
-                    let window = give_up
-                        .saturating_duration_since(tokio::time::Instant::now())
-                        .min(HANDSHAKE_QUIET);
+                    let left = give_up.saturating_duration_since(tokio::time::Instant::now());
+                    let window = if haggling { left } else { left.min(HANDSHAKE_QUIET) };
                     match tokio::time::timeout(window, &mut handshake).await {
                         Ok(Ok(Ok(negotiated))) => break Some(Ok(Ok(negotiated))),
                         Ok(_) => break None,
                         Err(_) => {
-                            let now_refused = refused.load(Ordering::Relaxed);
-                            if now_refused == seen || window.is_zero() {
+                            if haggling || refused.load(Ordering::Relaxed) == 0 || left.is_zero() {
                                 break None;
                             }
-                            seen = now_refused;
+                            haggling = true;
                         }
                     }
                 }

@@ -522,6 +522,17 @@ fn a_slow_reader_that_keeps_sending_at_a_stop_gets_every_reply() {
     assert!(status.success(), "{status}\n{}", server.stderr());
 }
 
+/// Sends SIGTERM and waits for the server to exit with success; returns how long it took.
+fn stop_cleanly(server: &mut Server) -> Duration {
+    let started = std::time::Instant::now();
+    server.signal("TERM");
+    let status = server
+        .wait_exit(Duration::from_secs(20))
+        .expect("exits after SIGTERM");
+    assert!(status.success(), "{status}");
+    started.elapsed()
+}
+
 /// A client connected but idle when the server stops (as libnbd and qemu are between
 /// requests: they do not watch the socket) does not hold the stop: the server waits for
 /// its client to close only while replies are unacknowledged (found by review: every such
@@ -532,13 +543,7 @@ fn an_idle_client_does_not_slow_a_stop() {
     let mut server = Server::start(&["memory:64M"]);
     let mut raw = Raw::session(server.tcp(), Mode::Simple);
     assert_eq!(raw.read(1, 0, 4096).expect("a read").error, 0);
-    let started = std::time::Instant::now();
-    server.signal("TERM");
-    let status = server
-        .wait_exit(Duration::from_secs(20))
-        .expect("exits after SIGTERM");
-    assert!(status.success(), "{status}");
-    let took = started.elapsed();
+    let took = stop_cleanly(&mut server);
     assert!(took < Duration::from_millis(1500), "{took:?}");
     drop(raw);
 }
@@ -596,13 +601,7 @@ fn a_silent_client_in_its_handshake_does_not_slow_a_stop() {
     let mut server = Server::start(&["memory:64M"]);
     let raw = Raw::hello(server.tcp());
     std::thread::sleep(Duration::from_millis(100));
-    let started = std::time::Instant::now();
-    server.signal("TERM");
-    let status = server
-        .wait_exit(Duration::from_secs(20))
-        .expect("exits after SIGTERM");
-    assert!(status.success(), "{status}");
-    let took = started.elapsed();
+    let took = stop_cleanly(&mut server);
     assert!(took < Duration::from_millis(500), "{took:?}");
     drop(raw);
 }

@@ -542,16 +542,10 @@ impl ConnectionThreads {
         let span = tracing::Span::current();
         thread.handle.spawn(
             async move {
-                let mut alive = alive;
-                let leave_list = alive.leave_list();
                 match stream.register() {
-                    Ok(stream) => {
-                        let max_merge = config.max_merge;
-                        pipeline::run(stream, negotiated, max_merge, stop, leave_list).await
-                    }
+                    Ok(stream) => transmit(stream, negotiated, &config, stop, alive).await,
                     Err(e) => warn!("registering the connection failed: {e}"),
                 }
-                drop(alive);
                 connections.fetch_sub(1, Ordering::AcqRel);
             }
             .instrument(span),
@@ -624,7 +618,18 @@ async fn serve_connection<S: Stream>(
         return;
     };
     alive.transmitting(&negotiated.export.name);
-    let mut alive = alive;
+    transmit(stream, negotiated, &config, stop, alive).await;
+}
+
+/// The transmission phase of a negotiated connection; `alive` lists it until its replies
+/// have left ([`Alive::leave_list`]) and holds the server's shutdown until it ends.
+async fn transmit<S: Stream>(
+    stream: S,
+    negotiated: handshake::Negotiated,
+    config: &ServerConfig,
+    stop: watch::Receiver<bool>,
+    mut alive: Alive,
+) {
     let leave_list = alive.leave_list();
     pipeline::run(stream, negotiated, config.max_merge, stop, leave_list).await;
     drop(alive);
@@ -685,10 +690,7 @@ async fn place_registered<S: Unregister>(
     };
     alive.transmitting(&negotiated.export.name);
     if negotiated.export.backend.completes_through_ring() {
-        let mut alive = alive;
-        let leave_list = alive.leave_list();
-        pipeline::run(stream, negotiated, config.max_merge, stop, leave_list).await;
-        drop(alive);
+        transmit(stream, negotiated, &config, stop, alive).await;
         return;
     }
     match stream.unregister() {
@@ -705,10 +707,9 @@ async fn negotiate<S: Stream>(
     stop: &mut watch::Receiver<bool>,
 ) -> Option<handshake::Negotiated> {
     let stopping = stop.clone();
-    // Options refused because the server stops, and when the last option came.
-    let refused = Arc::new(AtomicUsize::new(0));
+    // When the client's last option came.
     let last_option = Arc::new(std::sync::Mutex::new(None::<tokio::time::Instant>));
-    let (refusals, option_seen) = (Arc::clone(&refused), Arc::clone(&last_option));
+    let option_seen = Arc::clone(&last_option);
     let negotiated = {
         let handshake = tokio::time::timeout(
             config.handshake_timeout,
@@ -716,9 +717,6 @@ async fn negotiate<S: Stream>(
                 *option_seen.lock().unwrap_or_else(|e| e.into_inner()) =
                     Some(tokio::time::Instant::now());
                 let stopped = *stopping.borrow();
-                if stopped {
-                    refusals.fetch_add(1, Ordering::Relaxed);
-                }
                 stopped
             }),
         );
@@ -736,9 +734,8 @@ async fn negotiate<S: Stream>(
                 // transmission, which refuses what it reads.
                 let stopped_at = tokio::time::Instant::now();
                 let give_up = stopped_at + HANDSHAKE_AFTER_STOP;
-                let mut haggling = last_option
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
+                let last = || *last_option.lock().unwrap_or_else(|e| e.into_inner());
+                let mut haggling = last()
                     .is_some_and(|at| stopped_at.duration_since(at) < HANDSHAKE_AFTER_STOP);
                 loop {
                     let left = give_up.saturating_duration_since(tokio::time::Instant::now());
@@ -747,7 +744,8 @@ async fn negotiate<S: Stream>(
                         Ok(Ok(Ok(negotiated))) => break Some(Ok(Ok(negotiated))),
                         Ok(_) => break None,
                         Err(_) => {
-                            if haggling || refused.load(Ordering::Relaxed) == 0 || left.is_zero() {
+                            let sent_since = last().is_some_and(|at| at >= stopped_at);
+                            if haggling || !sent_since || left.is_zero() {
                                 break None;
                             }
                             haggling = true;

@@ -61,6 +61,25 @@ impl Generations {
         self.current = new_current;
     }
 
+    /// A resync target's primary started generation `new_current` in the middle of the
+    /// target's pass: the writes that follow are of the new generation, and this node's
+    /// bitmaps do not track them for the peers that miss them. So no bitmap generation
+    /// stays open here: the old ones go to history, and a node that still holds one of
+    /// them later compares as older without a bitmap (a full resync from this node), never
+    /// as equal.
+    pub fn take_primary_generation(&mut self, new_current: u64) {
+        if new_current == self.current || new_current == 0 {
+            return;
+        }
+        let (old_current, old_bitmap) = (self.current, self.bitmap);
+        self.bitmap = 0;
+        self.push_history(old_bitmap);
+        if old_current != JUST_CREATED {
+            self.push_history(old_current);
+        }
+        self.current = new_current;
+    }
+
     /// The peers are in sync again: the bitmap generation becomes history.
     pub fn close_bitmap(&mut self) {
         if self.bitmap != 0 {
@@ -197,6 +216,26 @@ mod tests {
         b.start_new(30);
         assert_eq!(a.compare(&b), SyncDecision::SplitBrain);
         assert_eq!(b.compare(&a), SyncDecision::SplitBrain);
+    }
+
+    /// A target that took its primary's new generation mid-pass, and a node still at the
+    /// old one: the target is the source of a full resync, never "in sync".
+    #[test]
+    fn a_target_that_took_a_new_generation_mid_pass_is_a_full_source_for_the_old_one() {
+        let old = gens(0x100, 0, [0, 0]);
+        let mut target = old;
+        target.take_primary_generation(0x200);
+        assert_eq!(target, gens(0x200, 0, [0x100, 0]));
+        assert_eq!(target.compare(&old), SyncDecision::SourceFull);
+        assert_eq!(old.compare(&target), SyncDecision::TargetFull);
+        // The primary that started it (bitmap base 0x100) and the target agree.
+        let mut primary = old;
+        primary.start_new(0x200);
+        assert_eq!(target.compare(&primary), SyncDecision::InSync);
+        // Taking the generation it already has changes nothing.
+        let before = target;
+        target.take_primary_generation(0x200);
+        assert_eq!(target, before);
     }
 
     #[test]

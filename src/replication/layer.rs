@@ -355,8 +355,8 @@ impl Shared {
         self.start_generation(meta, conns)
     }
 
-    /// A new data generation, durable, shared at once with the connected peers that are
-    /// in sync (`conns`). With a bitmap generation already open (another peer was away
+    /// A new data generation, durable, shared at once with the connected peers that take
+    /// writes (`conns`). With a bitmap generation already open (another peer was away
     /// before) the old `current` goes to history and the bitmap base stays.
     fn start_generation(&self, meta: &mut Metadata, conns: &[Arc<PeerConn>]) -> Result<(), String> {
         let new = random_generation().map_err(|e| e.to_string())?;
@@ -364,15 +364,21 @@ impl Shared {
         warn!(
             "writing without every peer: new data generation {new:#x}; the bitmap tracks what they miss"
         );
-        // Peers that are connected and in sync have every write of the new generation
-        // too: they take it now, or after a failover they would look like a split brain
-        // to the node that is away.
+        // Every peer that takes writes gets the new generation's writes too, so it takes
+        // the generation now: else, after a failover, it would hold them under the old
+        // name, and a node that missed them would compare with it as in sync (and never
+        // get them), or as a split brain. One in sync adopts it whole; a resync target in
+        // its pass only takes the new name (its pass goes on).
         let generations = meta.superblock().generations;
-        for conn in conns.iter().filter(|c| c.synced.load(Ordering::Acquire)) {
-            conn.send(Message::State {
-                role: Role::Primary,
-                disk: DiskState::UpToDate,
-                generations,
+        for conn in conns {
+            conn.send(if conn.synced.load(Ordering::Acquire) {
+                Message::State {
+                    role: Role::Primary,
+                    disk: DiskState::UpToDate,
+                    generations,
+                }
+            } else {
+                Message::NewGeneration { generations }
             });
         }
         Ok(())
@@ -1274,6 +1280,42 @@ impl Shared {
                 });
             }
         }
+    }
+
+    /// The primary started a new data generation while this node's resync pass runs: an
+    /// up-to-date node (a pass of the regions some crash left in doubt) takes its name,
+    /// durably, before any of its writes are applied here (see
+    /// [`super::generation::Generations::take_primary_generation`]), and tells its other
+    /// peers, as [`Shared::adopt_state_from_primary`] does. An inconsistent one (a full or
+    /// bitmap pass) keeps its old name: it cannot be promoted without force, and a pass
+    /// that ends early is planned again from that name (or, at an equal one, in full).
+    pub fn take_primary_generation(
+        &self,
+        generations: &super::generation::Generations,
+    ) -> Result<(), MetaError> {
+        let mut meta = self.meta();
+        let disk = meta.superblock().disk;
+        if disk != DiskState::UpToDate {
+            return Ok(());
+        }
+        meta.update(|sb| sb.generations.take_primary_generation(generations.current))?;
+        info!(
+            generation = format!("{:#x}", generations.current),
+            "the primary started a new data generation; taken in the middle of the resync"
+        );
+        let generations = meta.superblock().generations;
+        drop(meta);
+        for slot in &self.peers {
+            let conn = slot.conn.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            if let Some(conn) = conn {
+                conn.send(Message::State {
+                    role: Role::Secondary,
+                    disk,
+                    generations,
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Marks this node's data as being overwritten by a resync.

@@ -1003,6 +1003,17 @@ async fn handle<'a>(
                 shared.adopt_state_from_primary(generations);
             }
         }
+        Message::NewGeneration { generations } => {
+            must_be_target("a new generation")?;
+            *conn
+                .peer_generations
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()) = generations;
+            // Before any later write is applied: they are of the new generation.
+            shared
+                .take_primary_generation(&generations)
+                .map_err(|e| format!("metadata: {e}"))?;
+        }
         Message::OutOfSync { offset, length } => {
             if !matches!(conn.plan, Plan::Source { .. }) {
                 return Err(format!(

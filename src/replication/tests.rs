@@ -790,6 +790,110 @@ async fn a_resync_pass_cut_short_by_a_demotion_is_not_shown_running() {
     let _ = pair.stop.send(true);
 }
 
+/// Three nodes. The primary dies, beta is promoted, and gamma's pass from beta (the
+/// extents the lost primary's writes may touch, 4 MiB that differ, at 1 MiB/s) runs when
+/// beta's first write opens a new generation (alpha is away). Gamma applies that write
+/// and what follows, so it must take the new generation's name at once, not at the end of
+/// its pass: had it kept the old one, a failover to gamma before the pass ended would
+/// meet alpha (at the old generation) as "in sync", and alpha would never get those
+/// writes (review, session 66: 144 of 400 acknowledged writes missing on a node shown
+/// UpToDate).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_in_its_pass_takes_the_primarys_new_generation_at_once() {
+    let trio = cluster(
+        "C",
+        3,
+        Arc::new(MemoryBackend::new(SIZE, false)),
+        "1M",
+        3,
+        None,
+    )
+    .await;
+    let backend = trio.primary_backend();
+    backend
+        .write(0, pattern(7, 4 << 20).into(), false)
+        .await
+        .unwrap();
+    backend.flush().await.unwrap();
+    let (beta, gamma) = (&trio.secondaries[0], &trio.secondaries[1]);
+    // Beta holds data gamma does not, in every extent the primary wrote.
+    beta.local
+        .write(0, pattern(9, 4 << 20).into(), false)
+        .await
+        .unwrap();
+    trio.primary.stop();
+    let _ = trio.stop.0[0].send(true);
+    wait_until("the secondaries notice the primary is gone", || {
+        [beta, gamma].iter().all(|s| {
+            !s.status()
+                .peers
+                .iter()
+                .any(|p| p.name == "alpha" && p.connected)
+        })
+    })
+    .await;
+    beta.promote(false).unwrap();
+    beta.announce_primary_and_reconnect();
+    wait_until("gamma's pass from beta is under way", || {
+        beta.status()
+            .peers
+            .iter()
+            .any(|p| p.name == "gamma" && p.resyncing() && p.replicating && p.resync_sent_bytes > 0)
+    })
+    .await;
+    let (_, before) = beta.local_state();
+    let written = std::time::Instant::now();
+    let beta_backend = ReplicatedBackend {
+        shared: Arc::clone(beta),
+    };
+    beta_backend
+        .write(6 << 20, pattern(8, 4096).into(), false)
+        .await
+        .unwrap();
+    beta_backend.flush().await.unwrap();
+    let (_, primary) = beta.local_state();
+    assert_ne!(
+        primary.current, before.current,
+        "alpha's absence opens a generation"
+    );
+    wait_until("gamma takes the new generation", || {
+        gamma.local_state().1.current == primary.current
+    })
+    .await;
+    assert!(
+        written.elapsed() < Duration::from_secs(2),
+        "taken only at the end of the pass, {:?} after the write",
+        written.elapsed()
+    );
+    assert!(
+        beta.status()
+            .peers
+            .iter()
+            .any(|p| p.name == "gamma" && p.resyncing()),
+        "the pass goes on"
+    );
+    // A node still at the old generation (alpha) is behind gamma, never equal to it.
+    let (disk, taken) = gamma.local_state();
+    assert_eq!(disk, super::wire::DiskState::UpToDate);
+    assert_eq!(
+        taken.compare(&before),
+        super::generation::SyncDecision::SourceFull
+    );
+    // And the pass still ends with the two equal.
+    wait_until("gamma's pass ends", || {
+        beta.status()
+            .peers
+            .iter()
+            .any(|p| p.name == "gamma" && p.replicating && p.out_of_sync_bytes == 0)
+    })
+    .await;
+    assert!(
+        same_bytes(&*beta.local, &*gamma.local, 0, 8 << 20).await,
+        "the pass left differences"
+    );
+    let _ = trio.stop.send(true);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_resync_run_sends_only_its_regions_that_differ() {
     // Both nodes start from the same data; the primary differs in scattered regions,

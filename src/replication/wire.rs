@@ -14,7 +14,7 @@ use super::generation::Generations;
 /// First field of every [`Hello`]: "NBLKREPL".
 pub const HELLO_MAGIC: u64 = 0x4e42_4c4b_5245_504c;
 /// The protocol version this code speaks.
-pub const PROTOCOL_VERSION: u16 = 5;
+pub const PROTOCOL_VERSION: u16 = 6;
 /// Largest data payload in one frame (an NBD write can be this large).
 pub const MAX_DATA: usize = crate::wire::MAX_PAYLOAD as usize;
 /// Largest frame body: the largest payload plus the fixed fields in front of it.
@@ -222,6 +222,14 @@ pub enum Message {
         disk: DiskState,
         generations: Generations,
     },
+    /// Primary → a resync target in the middle of its pass: the primary started a new data
+    /// generation, and the writes that follow belong to it. The target takes the new
+    /// `current` (its pass, bitmaps and disk state go on as they were), so that it never
+    /// holds the new generation's data under the old name (a [`Message::State`] would
+    /// mean "your pass is done").
+    NewGeneration {
+        generations: Generations,
+    },
 }
 
 /// Why bytes from a peer are not a valid frame.
@@ -279,6 +287,7 @@ mod kind {
     pub const OUT_OF_SYNC_DONE: u8 = 21;
     pub const BARRIER_DONE: u8 = 22;
     pub const RESYNC_NEED: u8 = 23;
+    pub const NEW_GENERATION: u8 = 24;
 }
 
 impl Role {
@@ -345,6 +354,7 @@ impl Message {
             Message::OutOfSync { .. } => "out-of-sync",
             Message::OutOfSyncDone => "out-of-sync-done",
             Message::State { .. } => "state",
+            Message::NewGeneration { .. } => "new-generation",
         }
     }
 
@@ -534,6 +544,10 @@ impl Message {
                 out.put_u8(kind::STATE);
                 out.put_u8(role.code());
                 out.put_u8(disk.code());
+                put_generations(out, generations);
+            }
+            Message::NewGeneration { generations } => {
+                out.put_u8(kind::NEW_GENERATION);
                 put_generations(out, generations);
             }
         }
@@ -769,6 +783,12 @@ impl Message {
                 Message::State {
                     role: r.role()?,
                     disk: r.disk()?,
+                    generations: r.generations()?,
+                }
+            }
+            kind::NEW_GENERATION => {
+                r.kind = "new-generation";
+                Message::NewGeneration {
                     generations: r.generations()?,
                 }
             }
@@ -1022,6 +1042,7 @@ pub fn example_messages() -> Vec<Message> {
             disk: DiskState::Inconsistent,
             generations,
         },
+        Message::NewGeneration { generations },
     ]
 }
 
@@ -1292,6 +1313,7 @@ mod tests {
                     generations,
                 }
             }),
+            generations().prop_map(|generations| Message::NewGeneration { generations }),
         ]
     }
 

@@ -73,6 +73,12 @@ def measure_workload(name, rows, rounds, run_row, results, steal_limit, extra_ro
 
 
 def main():
+    # Every server on the same congestion control (see bench.same_congestion).
+    with bench.same_congestion():
+        compare()
+
+
+def compare():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variant", action="append", required=True, help="NAME=PATH[:SETTING,...]")
     parser.add_argument("--backends", nargs="*", default=["mem", "file", "direct"])

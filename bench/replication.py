@@ -45,8 +45,10 @@ ROOT = os.path.dirname(HERE)
 NETBLK = os.environ.get("NETBLK_BIN") or os.path.join(
     os.environ.get("CARGO_TARGET_DIR") or os.path.join(ROOT, "target"), "release", "netblk")
 RESULTS = os.path.join(HERE, "RESULTS.md")
-NS = ("nbrbenchA", "nbrbenchB")
-VETH = ("nbrbva", "nbrbvb")
+# Named after this run's PID: a second run (or anyone else's namespaces) must not tear
+# down this one's (make_namespaces deletes namespaces of these names first).
+NS = (f"nbrA{os.getpid()}", f"nbrB{os.getpid()}")
+VETH = (f"nbvA{os.getpid()}", f"nbvB{os.getpid()}")
 ADDR = ("10.233.0.1", "10.233.0.2")
 PG_BIN = "/usr/lib/postgresql/15/bin"
 PROTOCOL = ["C"]  # set from --protocol

@@ -837,9 +837,10 @@ fn promotion_is_refused_to_the_node_with_older_data() {
     assert!(out.status.success(), "{out:?}");
     let demote = netblk(&["demote", "--node", "alpha"], &config);
     assert!(demote.status.success(), "{demote:?}");
-    // Both secondary now; beta missed a write.
+    // Both secondary now; beta missed a write. (Alpha's first link with beta was idle too:
+    // `--primary` takes the role once the peers have said hello.)
     let beta = start_node(&config, "beta", false);
-    wait_for_log("alpha", || alpha.stderr(), "plan=Idle", 1);
+    wait_for_log("alpha", || alpha.stderr(), "plan=Idle", 2);
     let refused = netblk(&["promote", "--node", "beta"], &config);
     assert!(!refused.status.success());
     let why = String::from_utf8_lossy(&refused.stderr);
@@ -847,6 +848,42 @@ fn promotion_is_refused_to_the_node_with_older_data() {
     let promote = netblk(&["promote", "--node", "alpha"], &config);
     assert!(promote.status.success(), "{promote:?}");
     wait_for_log("beta", || beta.stderr(), "in sync with the primary", 1);
+    assert!(alpha.stop().success());
+    assert!(beta.stop().success());
+    assert_same_files(&dir.path().join("alpha.img"), &dir.path().join("beta.img"));
+}
+
+/// `--primary` beside a live primary is refused (review, session 66): alpha, killed, comes
+/// back with `--primary` while beta, promoted in its absence, serves and has written. Alpha
+/// used to take the role before any hello, accept a client's write and so start a split
+/// brain; now it waits for its peer, is refused as `netblk promote` would be, stays
+/// secondary and is resynced from beta.
+#[test]
+fn a_restart_with_primary_beside_a_live_primary_is_refused_and_resynced() {
+    if !have("qemu-io") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair(dir.path());
+    let (alpha, beta) = start_pair_in_sync(&config);
+    alpha.signal("KILL");
+    drop(alpha);
+    wait_for_log("beta", || beta.stderr(), "primary lost", 1);
+    let promote = netblk(&["promote", "--node", "beta"], &config);
+    assert!(promote.status.success(), "{promote:?}");
+    let out = qemu_io(&beta.uri(), &["write -P 0x44 1M 64k", "flush"]);
+    assert!(out.status.success(), "{out:?}");
+    let alpha = start_node(&config, "alpha", true);
+    wait_for_log("alpha", || alpha.stderr(), "--primary refused", 1);
+    assert!(
+        alpha.stderr().contains("beta is primary"),
+        "{}",
+        alpha.stderr()
+    );
+    wait_for_log("alpha", || alpha.stderr(), "in sync with the primary", 1);
+    let status = status_json(&config, "alpha");
+    assert_eq!(status["status"]["role"], "secondary", "{status}");
+    assert!(!beta.stderr().contains("split brain"), "{}", beta.stderr());
     assert!(alpha.stop().success());
     assert!(beta.stop().success());
     assert_same_files(&dir.path().join("alpha.img"), &dir.path().join("beta.img"));

@@ -96,6 +96,10 @@ pub enum MetaError {
         op: &'static str,
         source: std::io::Error,
     },
+    /// Another process (or handle) holds the file: two nodes writing one metadata file
+    /// would each overwrite the other's records.
+    #[error("metadata {path} is in use by another netblk process (is this node already running?)")]
+    InUse { path: PathBuf },
     #[error("the activity log is full of extents with writes in flight")]
     ActivityLogBusy,
     /// Room in the log needs an extent evicted whose last writes are not yet known to be
@@ -159,6 +163,27 @@ pub struct Metadata {
     failed: Option<(&'static str, i32)>,
 }
 
+/// Takes an exclusive lock on the metadata file for as long as `file` stays open, before
+/// anything is read or written: a second start of the same node (or a mistyped `--node`)
+/// must not write records that outrank the running node's (review, session 66: a second
+/// `serve --node alpha` marked its hot extents, took the primary role and wrote a newer
+/// superblock before it failed on the taken port, and the running node's clean close was
+/// lost).
+fn lock_exclusively(file: &File, path: &Path) -> Result<(), MetaError> {
+    use rustix::fs::{flock, FlockOperation};
+    match flock(file, FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => Ok(()),
+        Err(rustix::io::Errno::WOULDBLOCK) => Err(MetaError::InUse {
+            path: path.to_path_buf(),
+        }),
+        Err(e) => Err(MetaError::Io {
+            path: path.to_path_buf(),
+            op: "locking",
+            source: e.into(),
+        }),
+    }
+}
+
 impl Metadata {
     /// Opens the metadata at `path`, creating it for a fresh node if there is none. An
     /// existing file must name the same node, resource, peers and size.
@@ -217,6 +242,7 @@ impl Metadata {
             .create_new(true)
             .open(path)
             .map_err(io_err(path, "creating"))?;
+        lock_exclusively(&file, path)?;
         let regions = size.div_ceil(REGION_SIZE);
         let bitmap_bytes = bitmap_bytes(regions);
         file.set_len(BITMAP_OFFSET + bitmap_bytes * peers.len() as u64)
@@ -273,6 +299,7 @@ impl Metadata {
             .write(true)
             .open(path)
             .map_err(io_err(path, "opening"))?;
+        lock_exclusively(&file, path)?;
         let mut best: Option<(u64, Superblock)> = None;
         for slot in 0..2 {
             let mut record = vec![0u8; RECORD_SIZE as usize];
@@ -1095,6 +1122,23 @@ mod tests {
         assert!(metadata.is_out_of_sync(0, 3));
         assert_eq!(metadata.out_of_sync_regions(0), 1);
         assert_eq!(metadata.recovered_extents(), 0);
+    }
+
+    /// A second open of metadata in use is refused before it reads or writes anything, and
+    /// the file's bytes stay as they were; once the first is closed, it opens.
+    #[test]
+    fn metadata_in_use_is_refused_to_a_second_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, metadata) = fresh(&dir);
+        let before = std::fs::read(&path).unwrap();
+        match Metadata::open_or_create(&path, "alpha", "r0", &peers(), SIZE) {
+            Err(MetaError::InUse { .. }) => {}
+            Err(e) => panic!("refused for another reason: {e}"),
+            Ok(_) => panic!("a second open of metadata in use succeeded"),
+        }
+        assert_eq!(std::fs::read(&path).unwrap(), before);
+        drop(metadata);
+        Metadata::open_or_create(&path, "alpha", "r0", &peers(), SIZE).unwrap();
     }
 
     /// After a write of the file fails (here: the file swapped for a read-only handle, so

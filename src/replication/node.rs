@@ -26,13 +26,22 @@ pub struct Node {
     control: UnixListener,
     control_path: PathBuf,
     client_options: ClientOptions,
+    /// `--primary`: take the primary role once the peers have been heard from.
+    take_primary: bool,
 }
 
 impl Node {
-    /// Opens node `name` of `resource` and binds its listeners; with `primary` it is
-    /// promoted first (refused if its data may be older than a peer's). `powercut` puts the
-    /// fault-injection cache of `--fault-injection powercut` over the backing; the client
-    /// listener uses `client_options` as a plain server does.
+    /// Binds node `name`'s listeners, then opens its backing and metadata. With `primary` the
+    /// node takes the primary role in [`Node::serve`], once its peers have been heard from
+    /// (see [`take_primary_role`]). `powercut` puts the fault-injection cache of
+    /// `--fault-injection powercut` over the backing; the client listener uses
+    /// `client_options` as a plain server does.
+    ///
+    /// The sockets come first: a start that cannot bind them (a taken port, a missing
+    /// directory) must change nothing in the metadata, which opening does (hot extents of an
+    /// unclean stop marked, the node marked in use). Until session 66 a failed start had
+    /// written the metadata and even taken a generation, and the node was later refused by
+    /// its peers as "unrelated data" (review).
     pub async fn bind(
         resource: ResourceConfig,
         name: &str,
@@ -42,43 +51,35 @@ impl Node {
         tcp: TcpSettings,
     ) -> anyhow::Result<Node> {
         let me = resource.node(name).map_err(anyhow::Error::msg)?.clone();
-        let backend = me
-            .backing
-            .open(resource.size, false, me.cache)
-            .with_context(|| format!("node {name:?} backing"))?;
-        // Crash tests only: unflushed writes stay in memory, so SIGKILL loses them.
-        let backend: Arc<dyn crate::backend::Backend> = if powercut {
-            Arc::new(crate::backend::powercut::PowerCut::new(backend))
-        } else {
-            backend
-        };
-        let size = backend.size();
-        let (path, node, resource_name) =
-            (me.metadata.clone(), name.to_string(), resource.name.clone());
-        let peers: Vec<String> = resource.peers_of(name).map(|n| n.name.clone()).collect();
-        let meta = tokio::task::spawn_blocking(move || {
-            Metadata::open_or_create(&path, &node, &resource_name, &peers, size)
-        })
-        .await
-        .context("metadata task")??;
-        if meta.recovered_extents() > 0 {
-            warn!(
-                "the last shutdown was not clean: {} hot extents marked out of sync",
-                meta.recovered_extents()
-            );
-        }
-        let shared = Shared::new(backend, resource, name, meta, tcp)?;
-        if primary {
-            shared.promote(false).map_err(anyhow::Error::msg)?;
-        }
-        let replication = shared
-            .tcp
+        let replication = tcp
             .bind(me.replication)
             .await
             .with_context(|| format!("binding replication address {}", me.replication))?;
-        let clients = me.listen.bind(&shared.tcp).await?;
-        let control = crate::control::bind(&me.control)
-            .with_context(|| format!("binding control socket {}", me.control.display()))?;
+        let clients = me.listen.bind(&tcp).await?;
+        // The Unix socket files this start made, removed again if it fails after them.
+        let remove_sockets = |control: bool| {
+            if let crate::listen::ListenAddr::Unix(path) = &me.listen {
+                let _ = std::fs::remove_file(path);
+            }
+            if control {
+                let _ = std::fs::remove_file(&me.control);
+            }
+        };
+        let control = match crate::control::bind(&me.control) {
+            Ok(control) => control,
+            Err(e) => {
+                remove_sockets(false);
+                return Err(anyhow::Error::new(e)
+                    .context(format!("binding control socket {}", me.control.display())));
+            }
+        };
+        let shared = match open_node(resource, name, &me, powercut, tcp).await {
+            Ok(shared) => shared,
+            Err(e) => {
+                remove_sockets(true);
+                return Err(e);
+            }
+        };
         Ok(Node {
             shared,
             replication,
@@ -86,6 +87,7 @@ impl Node {
             control,
             control_path: me.control,
             client_options,
+            take_primary: primary,
         })
     }
 
@@ -117,6 +119,11 @@ impl Node {
             self.control_path,
             stop_rx.clone(),
         ));
+        // Before any client is served: a client's write on a node that became primary
+        // beside another would start a split brain.
+        if self.take_primary {
+            take_primary_role(&self.shared).await;
+        }
         let export = Arc::new(Export {
             name: String::new(),
             description: format!(
@@ -152,6 +159,76 @@ impl Node {
             warn!("the final flush failed: metadata left marked in use, the next start resyncs the logged extents");
         }
         result
+    }
+}
+
+/// Opens the node's backing and metadata (which a second process cannot hold: it is
+/// locked) and builds its shared state.
+async fn open_node(
+    resource: ResourceConfig,
+    name: &str,
+    me: &super::config::NodeConfig,
+    powercut: bool,
+    tcp: TcpSettings,
+) -> anyhow::Result<Arc<Shared>> {
+    let backend = me
+        .backing
+        .open(resource.size, false, me.cache)
+        .with_context(|| format!("node {name:?} backing"))?;
+    // Crash tests only: unflushed writes stay in memory, so SIGKILL loses them.
+    let backend: Arc<dyn crate::backend::Backend> = if powercut {
+        Arc::new(crate::backend::powercut::PowerCut::new(backend))
+    } else {
+        backend
+    };
+    let size = backend.size();
+    let (path, node, resource_name) =
+        (me.metadata.clone(), name.to_string(), resource.name.clone());
+    let peers: Vec<String> = resource.peers_of(name).map(|n| n.name.clone()).collect();
+    let meta = tokio::task::spawn_blocking(move || {
+        Metadata::open_or_create(&path, &node, &resource_name, &peers, size)
+    })
+    .await
+    .context("metadata task")??;
+    if meta.recovered_extents() > 0 {
+        warn!(
+            "the last shutdown was not clean: {} hot extents marked out of sync",
+            meta.recovered_extents()
+        );
+    }
+    Ok(Shared::new(backend, resource, name, meta, tcp)?)
+}
+
+/// `--primary`: takes the primary role once every peer is connected, or after the
+/// resource's `peer_timeout` for those that are not, with the checks of `netblk promote`.
+/// Promoting before any hello (as until session 66) let a node that restarted with
+/// `--primary` beside a live primary take the role too and accept a client's write: a
+/// split brain the checks would have refused (review). Refused, the node stays up as a
+/// secondary (it may be resynced meanwhile) and says why.
+async fn take_primary_role(shared: &Shared) {
+    let deadline = tokio::time::Instant::now() + shared.resource.peer_timeout;
+    let all_connected = || {
+        shared.peers.iter().all(|slot| {
+            slot.conn
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_some()
+        })
+    };
+    if !all_connected() {
+        info!(
+            "--primary: waiting up to {:?} for the peers before taking the primary role",
+            shared.resource.peer_timeout
+        );
+    }
+    while !all_connected() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    match shared.promote(false) {
+        // Links made with this node as a secondary are redone with the new role.
+        Ok(true) => shared.announce_primary_and_reconnect(),
+        Ok(false) => {}
+        Err(e) => tracing::error!("--primary refused: {e}; this node stays secondary"),
     }
 }
 

@@ -8,6 +8,7 @@
 use std::future::Future;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader as AsyncBufReader};
@@ -58,9 +59,23 @@ pub struct ExportStatus {
 /// Binds the control socket; a stale socket file (nobody listening) is replaced, and
 /// anything else at the path is refused.
 pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
+    use std::os::unix::fs::PermissionsExt;
     crate::listen::clear_stale_socket(path)?;
-    UnixListener::bind(path)
+    let listener = UnixListener::bind(path)?;
+    // Owner only, whatever the umask: the socket promotes, demotes and reports (review,
+    // session 66: under umask 000 any local user could demote a primary).
+    if let Err(e) = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)) {
+        let _ = std::fs::remove_file(path);
+        return Err(e);
+    }
+    Ok(listener)
 }
+
+/// The most control requests served at once. One more is answered "busy" and closed at
+/// once: each waits up to [`REQUEST_TIMEOUT`] for its line, and without a bound idle
+/// control clients could take every file descriptor the NBD clients need (review, session
+/// 66: 19,990 of them made new NBD clients hang).
+const MAX_CONTROL_REQUESTS: usize = 16;
 
 /// Serves the control socket, each request line answered by `answer`, until `stop` turns
 /// true; then removes its file.
@@ -73,6 +88,7 @@ pub async fn serve<F, A>(
     F: Fn(String) -> A + Clone + Send + 'static,
     A: Future<Output = Reply> + Send,
 {
+    let in_progress = Arc::new(tokio::sync::Semaphore::new(MAX_CONTROL_REQUESTS));
     loop {
         let accepted = tokio::select! {
             _ = stop.wait_for(|s| *s) => break,
@@ -88,7 +104,23 @@ pub async fn serve<F, A>(
             }
         };
         let answer = answer.clone();
+        let Ok(permit) = Arc::clone(&in_progress).try_acquire_owned() else {
+            let busy = Reply {
+                ok: false,
+                message: format!(
+                    "the control socket is busy ({MAX_CONTROL_REQUESTS} requests in progress); try again"
+                ),
+                status: None,
+                server: None,
+            };
+            let mut text = serde_json::to_string(&busy).expect("serializable reply");
+            text.push('\n');
+            // Without waiting: a client that does not read its answer loses it.
+            let _ = stream.try_write(text.as_bytes());
+            continue;
+        };
         tokio::spawn(async move {
+            let _permit = permit;
             let (read, mut write) = stream.into_split();
             let Some(line) = read_request_line(read).await else {
                 return;
@@ -133,20 +165,21 @@ async fn read_request_line(
     Some(String::from_utf8(line).map_err(|_| "request is not UTF-8".to_string()))
 }
 
-/// Errors of the control client.
+/// Errors of the control client. The cause is the error's source, not part of its text:
+/// `netblk` prints the chain, and a message that also quoted it printed the OS error twice.
 #[derive(Debug, thiserror::Error)]
 pub enum ControlError {
-    #[error("cannot reach the server at {path} (is it running?): {source}")]
+    #[error("cannot reach the server at {path} (is it running?)")]
     Connect {
         path: String,
         source: std::io::Error,
     },
-    #[error("control socket {path}: {source}")]
+    #[error("control socket {path}")]
     Io {
         path: String,
         source: std::io::Error,
     },
-    #[error("control socket {path}: bad reply: {source}")]
+    #[error("control socket {path}: bad reply")]
     BadReply {
         path: String,
         source: serde_json::Error,
@@ -263,6 +296,48 @@ mod tests {
         stop.send(true).unwrap();
         served.await.unwrap();
         assert!(!path.exists());
+    }
+
+    /// The socket is the owner's only, and a 17th client while 16 sit idle is told the
+    /// socket is busy at once instead of being held (review, session 66: idle control
+    /// clients took every descriptor).
+    #[tokio::test]
+    async fn the_control_socket_is_private_and_bounded() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ctl");
+        let listener = bind(&path).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "control socket mode {mode:o}");
+        let (stop, stop_rx) = watch::channel(false);
+        let served = tokio::spawn(serve(listener, path.clone(), stop_rx, |line| async move {
+            Reply {
+                ok: true,
+                message: line,
+                status: None,
+                server: None,
+            }
+        }));
+        let asking = path.clone();
+        let (busy, after) = tokio::task::spawn_blocking(move || {
+            let idle: Vec<_> = (0..MAX_CONTROL_REQUESTS)
+                .map(|_| std::os::unix::net::UnixStream::connect(&asking).unwrap())
+                .collect();
+            // Let the server take them all in before the next one comes.
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            let started = std::time::Instant::now();
+            let busy = request(&asking, "status").unwrap();
+            assert!(started.elapsed() < std::time::Duration::from_secs(2));
+            drop(idle);
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            (busy, request(&asking, "status").unwrap())
+        })
+        .await
+        .unwrap();
+        assert!(!busy.ok && busy.message.contains("busy"), "{busy:?}");
+        assert!(after.ok && after.message == "status", "{after:?}");
+        stop.send(true).unwrap();
+        served.await.unwrap();
     }
 
     #[test]

@@ -225,6 +225,17 @@ fn main() -> std::process::ExitCode {
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
+        // The reader of the output left (`netblk status --watch | head -1`): what was asked
+        // was done, and there is nobody to tell (it used to panic, or print "Broken pipe"
+        // after a promote that had succeeded).
+        // Only a bare I/O error: that is a write to stdout (a control socket's errors come
+        // wrapped in `ControlError`).
+        Err(e)
+            if e.downcast_ref::<std::io::Error>()
+                .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe) =>
+        {
+            std::process::ExitCode::SUCCESS
+        }
         Err(e) => {
             eprintln!("netblk: error: {e:#}");
             std::process::ExitCode::FAILURE
@@ -557,7 +568,11 @@ fn watch_resync(target: &ControlTarget) -> anyhow::Result<()> {
         let reply = netblk::control::request(&path, "status")?;
         if let Some(server) = &reply.server {
             // A plain server: nothing resyncs there.
-            print!("{}", netblk::control::render_server(server));
+            write!(
+                std::io::stdout(),
+                "{}",
+                netblk::control::render_server(server)
+            )?;
             return Ok(());
         }
         let Some(status) = reply.status else {
@@ -582,7 +597,8 @@ fn watch_resync(target: &ControlTarget) -> anyhow::Result<()> {
             }
         } else {
             for peer in &running {
-                println!(
+                writeln!(
+                    std::io::stdout(),
                     "{}: resync {}/{} bytes at {:.1} MB/s, ETA {}",
                     peer.name,
                     peer.resync_done_bytes,
@@ -590,12 +606,12 @@ fn watch_resync(target: &ControlTarget) -> anyhow::Result<()> {
                     peer.resync_rate_bytes_per_sec as f64 / 1e6,
                     peer.resync_eta_seconds
                         .map_or("unknown".into(), |s| format!("{s} s"))
-                );
+                )?;
             }
         }
         if running.is_empty() {
             if !terminal || shown.is_empty() {
-                print!("{}", control::render(&status));
+                write!(std::io::stdout(), "{}", control::render(&status))?;
             }
             return Ok(());
         }
@@ -630,21 +646,27 @@ fn run_control_command(target: &ControlTarget, request: &str, json: bool) -> any
     Ok(())
 }
 
-/// A future that completes on SIGINT or SIGTERM; the handlers are installed at once.
+/// A future that completes on SIGINT, SIGTERM or SIGHUP; the handlers are installed at
+/// once. SIGHUP (the terminal that started the server closed) stops it as SIGTERM does:
+/// by default it killed the process without the final flush and left its sockets behind
+/// (review, session 66).
 fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
     let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut hup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
     Ok(async move {
         tokio::select! {
             _ = int.recv() => tracing::info!("SIGINT received: finishing requests in flight (signal again to exit now)"),
             _ = term.recv() => tracing::info!("SIGTERM received: finishing requests in flight (signal again to exit now)"),
+            _ = hup.recv() => tracing::info!("SIGHUP received: finishing requests in flight (signal again to exit now)"),
         }
         // A second signal during the drain means "now": leave without waiting.
         tokio::spawn(async move {
             tokio::select! {
                 _ = int.recv() => {}
                 _ = term.recv() => {}
+                _ = hup.recv() => {}
             }
             tracing::warn!("second signal: exiting without waiting for requests in flight");
             std::process::exit(130);

@@ -52,10 +52,11 @@ pub const DEFAULT_RECEIVE_BUFFER: usize = 16 << 20;
 
 /// Why a congestion control cannot be used.
 #[derive(Debug, thiserror::Error)]
-#[error("TCP congestion control {name:?} is not available here ({source}); available: {available}")]
+#[error("TCP congestion control {name:?} is not available here ({why}); available: {available}")]
 pub struct CongestionError {
     name: String,
-    source: std::io::Error,
+    /// Quoted in the message, so not the error's source (which would print it twice).
+    why: std::io::Error,
     available: String,
 }
 
@@ -201,9 +202,9 @@ fn check_available(name: &str) -> Result<(), CongestionError> {
         Ok(socket) => rustix::net::sockopt::set_tcp_congestion(socket, name).map_err(Into::into),
         Err(e) => Err(std::io::Error::new(e.kind(), e.to_string())),
     };
-    result.map_err(|source| CongestionError {
+    result.map_err(|why| CongestionError {
         name: name.to_string(),
-        source,
+        why,
         available: std::fs::read_to_string("/proc/sys/net/ipv4/tcp_available_congestion_control")
             .map(|s| s.trim().to_string())
             .unwrap_or_else(|_| "unknown".into()),

@@ -533,6 +533,54 @@ fn stop_cleanly(server: &mut Server) -> Duration {
     started.elapsed()
 }
 
+/// SIGHUP (the terminal closed) stops the server as SIGTERM does: exit 0, its socket
+/// removed (review, session 66: killed by default, no final flush, sockets left behind).
+#[test]
+fn sighup_stops_the_server_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("nbd.sock");
+    let listen = format!("unix:{}", socket.display());
+    let mut server = Server::start(&["--listen", &listen, "memory:16M"]);
+    assert!(socket.exists());
+    server.signal("HUP");
+    let status = server
+        .wait_exit(Duration::from_secs(20))
+        .expect("exits after SIGHUP");
+    assert!(status.success(), "{status}");
+    assert!(!socket.exists(), "the socket file stays after SIGHUP");
+}
+
+/// A reader that leaves (`netblk status --watch | head -1`) is no error: the command
+/// exits 0 without a panic (review, session 66: exit 101, "failed printing to stdout").
+#[test]
+fn a_status_reader_that_leaves_early_is_no_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let control = dir.path().join("ctl.sock");
+    let control_text = control.to_str().unwrap();
+    let _server = Server::start(&[
+        "--listen",
+        "127.0.0.1:0",
+        "--control",
+        control_text,
+        "memory:16M",
+    ]);
+    for args in [
+        &["status", "--watch", "--control", control_text][..],
+        &["status", "--control", control_text][..],
+    ] {
+        let (reader, writer) = rustix::pipe::pipe().unwrap();
+        drop(reader);
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_netblk"))
+            .args(args)
+            .stdout(std::process::Stdio::from(writer))
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{args:?}: {} {stderr}", out.status);
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+}
+
 /// A client connected but idle when the server stops (as libnbd and qemu are between
 /// requests: they do not watch the socket) does not hold the stop: the server waits for
 /// its client to close only while replies are unacknowledged (found by review: every such

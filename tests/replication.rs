@@ -723,6 +723,20 @@ fn nodes_that_both_wrote_alone_are_a_split_brain_never_merged() {
     wait_for_log("both", || alpha.stderr() + &beta.stderr(), "split brain", 2);
     let status = status_json(&config, "alpha");
     assert_eq!(status["status"]["peers"][0]["connected"], false);
+    // Status says why, and the logs say it once per side, not at every retry (every 500
+    // ms; review, session 66).
+    let refused = status["status"]["peers"][0]["refused"]
+        .as_str()
+        .unwrap_or("");
+    assert!(refused.contains("split brain"), "{status}");
+    std::thread::sleep(Duration::from_secs(3));
+    for (name, log) in [("alpha", alpha.stderr()), ("beta", beta.stderr())] {
+        let warnings = log
+            .lines()
+            .filter(|l| l.contains("WARN") && l.contains("split brain"))
+            .count();
+        assert!(warnings <= 2, "{name} warned {warnings} times:\n{log}");
+    }
     assert_ne!(
         read_all(&dir.path().join("alpha.img")),
         read_all(&dir.path().join("beta.img")),

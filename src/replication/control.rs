@@ -68,6 +68,10 @@ pub struct PeerStatus {
     /// (by a lost link or a demotion), so the figures above are the current pass's.
     #[serde(default)]
     pub resync_running: bool,
+    /// Why the last attempt to link with this peer was refused, by either side (a split
+    /// brain, another primary, a different size...), until a link is made.
+    #[serde(default)]
+    pub refused: Option<String>,
 }
 
 impl PeerStatus {
@@ -133,6 +137,15 @@ impl Shared {
                     resync_rate_bytes_per_sec: rate,
                     resync_eta_seconds: running.then_some(eta).flatten(),
                     resync_running: running,
+                    refused: conn
+                        .is_none()
+                        .then(|| {
+                            slot.refused
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .clone()
+                        })
+                        .flatten(),
                 }
             })
             .collect();
@@ -352,10 +365,11 @@ pub fn render(status: &Status) -> String {
         ));
     }
     for peer in &status.peers {
-        text.push_str(&format!(
-            "  peer {}: {}, {} bytes out of sync",
-            peer.name, peer.link, peer.out_of_sync_bytes
-        ));
+        text.push_str(&format!("  peer {}: {}", peer.name, peer.link));
+        if let Some(why) = &peer.refused {
+            text.push_str(&format!(" (refused: {why})"));
+        }
+        text.push_str(&format!(", {} bytes out of sync", peer.out_of_sync_bytes));
         if peer.replicating {
             text.push_str(", replicating");
         }

@@ -102,6 +102,24 @@ pub struct PeerSlot {
     /// role) and has not said hello since: while set, promoting this node needs force,
     /// or a promote in the reconnect gap would make two primaries.
     pub announced_primary: AtomicBool,
+    /// Why the last attempt to link with this peer was refused (by either side), until a
+    /// link is made: `netblk status` shows it, and the log says it once per new reason
+    /// rather than at every retry (review, session 66: a split brain showed only as
+    /// "disconnected", and was logged twice a second by each side, for ever).
+    pub refused: Mutex<Option<String>>,
+}
+
+impl PeerSlot {
+    /// Records a refusal of a link with this peer; true when its reason is new (so worth a
+    /// warning), false when it repeats the last one.
+    pub fn note_refusal(&self, reason: &str) -> bool {
+        let mut refused = self.refused.lock().unwrap_or_else(|e| e.into_inner());
+        if refused.as_deref() == Some(reason) {
+            return false;
+        }
+        *refused = Some(reason.to_string());
+        true
+    }
 }
 
 /// State shared by the backend, the peer connections and the control socket.
@@ -176,6 +194,7 @@ impl Shared {
                 resync_sent: AtomicU64::new(0),
                 resync_clock: Mutex::new(None),
                 announced_primary: AtomicBool::new(false),
+                refused: Mutex::new(None),
             })
             .collect();
         Ok(Arc::new(Shared {
@@ -491,6 +510,7 @@ impl Shared {
             conn.replicating.store(true, Ordering::Release);
         }
         *current = Some(conn);
+        *slot.refused.lock().unwrap_or_else(|e| e.into_inner()) = None;
         Ok(())
     }
 

@@ -517,7 +517,12 @@ async fn run_connection(
     let hello = match read_hello(&mut reader, &mut buf, timeout).await {
         Ok(Message::Hello(hello)) => hello,
         Ok(Message::Refuse { reason }) => {
-            warn!("peer at {addr} refused this node: {reason}");
+            let new = expected.map_or(true, |index| shared.peers[index].note_refusal(&reason));
+            if new {
+                warn!("peer at {addr} refused this node: {reason}");
+            } else {
+                debug!("peer at {addr} refused this node again: {reason}");
+            }
             return;
         }
         Ok(other) => {
@@ -538,7 +543,14 @@ async fn run_connection(
     let (index, conn, decision) = match checked {
         Ok(ok) => ok,
         Err(reason) => {
-            warn!("refusing peer {:?} at {addr}: {reason}", hello.node);
+            let new = shared
+                .slot_named(&hello.node)
+                .map_or(true, |slot| slot.note_refusal(&reason));
+            if new {
+                warn!("refusing peer {:?} at {addr}: {reason}", hello.node);
+            } else {
+                debug!("refusing peer {:?} at {addr} again: {reason}", hello.node);
+            }
             let mut out = BytesMut::new();
             Message::Refuse { reason }.encode(&mut out);
             let _ = writer.write_all(&out).await;

@@ -146,6 +146,12 @@ pub struct Metadata {
     al_seq: u64,
     /// One bitmap per peer: the regions that peer misses.
     bitmaps: Vec<Vec<u64>>,
+    /// Per peer, the regions set in its bitmap; and the regions some peer misses. Kept as
+    /// bits change, so that `netblk status` does not count a whole bitmap under the lock
+    /// client writes take (review, session 66: on a 16 TiB export, status took 11 ms and a
+    /// client polling it cut QD1 writes from 7,956 to 2,181 a second).
+    set_regions: Vec<u64>,
+    any_regions: u64,
     /// Per peer, in memory only: the regions marked out of sync since a resync pass last
     /// read them ([`Metadata::copying`]). A pass clears a region's bit only if it was not
     /// marked again after it was copied ([`Metadata::mark_copied_in_sync`]): a write the
@@ -268,6 +274,8 @@ impl Metadata {
             flushed_below: 0,
             al_seq: 0,
             bitmaps: vec![vec![0; regions.div_ceil(64) as usize]; peers.len()],
+            set_regions: vec![0; peers.len()],
+            any_regions: 0,
             remarked: vec![vec![0; regions.div_ceil(64) as usize]; peers.len()],
             regions,
             bitmap_bytes,
@@ -390,6 +398,13 @@ impl Metadata {
             al_extents,
             al_seq,
             remarked: vec![vec![0; words]; bitmaps.len()],
+            set_regions: bitmaps
+                .iter()
+                .map(|b| b.iter().map(|w| u64::from(w.count_ones())).sum())
+                .collect(),
+            any_regions: (0..words)
+                .map(|w| u64::from(bitmaps.iter().fold(0, |acc, b| acc | b[w]).count_ones()))
+                .sum(),
             bitmaps,
             regions,
             bitmap_bytes,
@@ -749,10 +764,7 @@ impl Metadata {
 
     /// Regions `peer` misses.
     pub fn out_of_sync_regions(&self, peer: usize) -> u64 {
-        self.bitmaps[peer]
-            .iter()
-            .map(|w| u64::from(w.count_ones()))
-            .sum()
+        self.set_regions[peer]
     }
 
     /// Bytes `peer` misses (the last region may be partial).
@@ -765,13 +777,10 @@ impl Metadata {
 
     /// Bytes some peer misses.
     pub fn out_of_sync_bytes_for_any(&self) -> u64 {
-        let regions = (0..self.regions.div_ceil(64) as usize)
-            .map(|w| {
-                let word = self.bitmaps.iter().fold(0, |acc, b| acc | b[w]);
-                u64::from(word.count_ones())
-            })
-            .sum();
-        self.bytes_of(regions, self.is_out_of_sync_for_any(self.regions - 1))
+        self.bytes_of(
+            self.any_regions,
+            self.is_out_of_sync_for_any(self.regions - 1),
+        )
     }
 
     fn bytes_of(&self, regions: u64, last_is_set: bool) -> u64 {
@@ -812,6 +821,15 @@ impl Metadata {
         if bitmap[word] != old {
             self.dirty_pages
                 .insert((peer, word as u64 * 8 / BITMAP_PAGE));
+            let others = (0..self.bitmaps.len())
+                .any(|other| other != peer && self.bitmaps[other][word] & mask != 0);
+            if value {
+                self.set_regions[peer] += 1;
+                self.any_regions += u64::from(!others);
+            } else {
+                self.set_regions[peer] -= 1;
+                self.any_regions -= u64::from(!others);
+            }
         }
     }
 
@@ -1122,6 +1140,62 @@ mod tests {
         assert!(metadata.is_out_of_sync(0, 3));
         assert_eq!(metadata.out_of_sync_regions(0), 1);
         assert_eq!(metadata.recovered_extents(), 0);
+    }
+
+    /// The kept counts of regions out of sync agree with a count of the bitmaps after any
+    /// marks and clears, and after the file is read again.
+    #[test]
+    fn the_kept_out_of_sync_counts_match_the_bitmaps() {
+        use proptest::test_runner::{Config, TestRunner};
+        let mut runner = TestRunner::new(Config::with_cases(32));
+        let op = (0..2usize, 0..200u64, proptest::prelude::any::<bool>());
+        runner
+            .run(&proptest::collection::vec(op, 0..200), |ops| {
+                let dir = tempfile::tempdir().unwrap();
+                let (path, mut metadata) = fresh(&dir);
+                for (peer, region, set) in ops {
+                    if set {
+                        metadata.mark_out_of_sync(peer, region * REGION_SIZE, 1);
+                    } else {
+                        metadata.mark_in_sync(peer, region);
+                    }
+                }
+                let counted = |m: &Metadata, peer: usize| {
+                    (0..m.regions)
+                        .filter(|&r| m.is_out_of_sync(peer, r))
+                        .count() as u64
+                };
+                let any = |m: &Metadata| {
+                    (0..m.regions)
+                        .filter(|&r| m.is_out_of_sync_for_any(r))
+                        .count() as u64
+                };
+                for peer in 0..2 {
+                    proptest::prop_assert_eq!(
+                        metadata.out_of_sync_regions(peer),
+                        counted(&metadata, peer)
+                    );
+                }
+                proptest::prop_assert_eq!(
+                    metadata.out_of_sync_bytes_for_any(),
+                    any(&metadata) * REGION_SIZE
+                );
+                metadata.flush_bitmap().unwrap();
+                drop(metadata);
+                let again = Metadata::open_or_create(&path, "alpha", "r0", &peers(), SIZE).unwrap();
+                for peer in 0..2 {
+                    proptest::prop_assert_eq!(
+                        again.out_of_sync_regions(peer),
+                        counted(&again, peer)
+                    );
+                }
+                proptest::prop_assert_eq!(
+                    again.out_of_sync_bytes_for_any(),
+                    any(&again) * REGION_SIZE
+                );
+                Ok(())
+            })
+            .unwrap();
     }
 
     /// A second open of metadata in use is refused before it reads or writes anything, and

@@ -40,6 +40,10 @@ pub const MAX_NAME_LEN: usize = 64;
 /// A resource is replicated across at least two and at most this many nodes.
 pub const MAX_NODES: usize = 3;
 const DEFAULT_PEER_TIMEOUT: Duration = Duration::from_secs(3);
+/// The longest `peer_timeout`: a day. Deadlines are the timeout added to now, and a value
+/// near `u64::MAX` seconds (which humantime accepts) overflowed there and panicked (review,
+/// session 66).
+const MAX_PEER_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
 const DEFAULT_RESYNC_RATE: u64 = 100 << 20;
 
 /// When a write is acknowledged to the client.
@@ -157,10 +161,13 @@ impl ResourceConfig {
                 .map_err(|e| invalid("resource.peer_timeout", format!("{text:?}: {e}")))?,
             None => DEFAULT_PEER_TIMEOUT,
         };
-        if peer_timeout.is_zero() {
+        if peer_timeout.is_zero() || peer_timeout > MAX_PEER_TIMEOUT {
             return Err(invalid(
                 "resource.peer_timeout",
-                "must be above zero".into(),
+                format!(
+                    "must be above zero and at most {}",
+                    humantime::format_duration(MAX_PEER_TIMEOUT)
+                ),
             ));
         }
         let resync_rate = match &raw.resource.resync_rate {
@@ -388,7 +395,7 @@ mod tests {
 
     #[test]
     fn errors_name_the_key_and_why() {
-        let cases: [(&str, &str, &str); 12] = [
+        let cases: [(&str, &str, &str); 13] = [
             ("name = \"r0\"", "name = \"\"", "resource.name"),
             ("name = \"r0\"", "name = \"r 0\"", "resource.name"),
             (
@@ -399,6 +406,11 @@ mod tests {
             (
                 "peer_timeout = \"2s\"",
                 "peer_timeout = \"0s\"",
+                "resource.peer_timeout",
+            ),
+            (
+                "peer_timeout = \"2s\"",
+                "peer_timeout = \"500000000000years\"",
                 "resource.peer_timeout",
             ),
             (

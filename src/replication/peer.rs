@@ -147,11 +147,13 @@ impl PeerConn {
     /// first, the receiver reports an error.
     pub fn request(&self, key: WaitKey, message: Message) -> oneshot::Receiver<Message> {
         let (tx, rx) = oneshot::channel();
+        // Checked under the waiters' lock, which `close` takes after it marks the
+        // connection closed: a close between the check and the insert would otherwise
+        // miss this waiter, which then waited out the peer timeout (review, session 66).
+        let mut waiters = self.waiters.lock().unwrap_or_else(|e| e.into_inner());
         if !self.is_closed() {
-            self.waiters
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(key, tx);
+            waiters.insert(key, tx);
+            drop(waiters);
             self.send(message);
         }
         rx

@@ -752,6 +752,32 @@ async fn the_first_full_resync_sends_only_differing_regions_at_the_configured_ra
     let _ = pair.stop.send(true);
 }
 
+/// A slow pass shows its progress as the peer takes each run, not only at the barriers
+/// (every 16 MiB, here none before the end): 4 MiB at 1 MiB/s showed 0 bytes done at 0.0
+/// MB/s for the whole pass (review, session 66).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_resync_shows_its_progress_before_its_first_barrier() {
+    let local = Arc::new(MemoryBackend::new(SIZE, false));
+    local
+        .write(0, pattern(6, 4 << 20).into(), false)
+        .await
+        .unwrap();
+    let pair = cluster_started("C", 2, local, "1M", 2, None).await;
+    wait_until("a quarter of the pass is shown done", || {
+        let peer = &pair.primary.status().peers[0];
+        peer.resyncing()
+            && peer.resync_done_bytes >= 1 << 20
+            && peer.resync_rate_bytes_per_sec > 0
+    })
+    .await;
+    let peer = &pair.primary.status().peers[0];
+    assert!(
+        peer.resync_done_bytes < peer.resync_total_bytes,
+        "only at the end: {peer:?}"
+    );
+    let _ = pair.stop.send(true);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_resync_pass_cut_short_by_a_demotion_is_not_shown_running() {
     // 4 MiB differ and travel at 1 MiB/s; the primary is demoted a moment into the pass,

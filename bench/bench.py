@@ -725,14 +725,21 @@ def same_congestion(algorithm="cubic"):
                        "(`--tcp-congestion`)." if changed or before == algorithm else
                        f"The system's TCP congestion control is {before} and could not be changed: netblk "
                        f"sets {algorithm} on its own sockets (`--tcp-congestion`), the other servers run on {before}.")
-    previous_term = signal.getsignal(signal.SIGTERM)
+    # SIGINT raises KeyboardInterrupt; SIGTERM and SIGHUP (a closed terminal or ssh session)
+    # would end the process without `finally`, and leave the machine on the changed setting
+    # (re-review, session 66). Two runs at once would still restore each other's setting
+    # early: run one at a time.
+    caught = (signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.getsignal(sig) for sig in caught}
     if changed:
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        for sig in caught:
+            signal.signal(sig, lambda number, _: sys.exit(128 + number))
     try:
         yield system_congestion()
     finally:
         if changed:
-            signal.signal(signal.SIGTERM, previous_term)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             with open(CONGESTION_SYSCTL, "w") as f:
                 f.write(before)
 

@@ -61,9 +61,15 @@ pub struct ExportStatus {
 pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
     use std::os::unix::fs::PermissionsExt;
     crate::listen::clear_stale_socket(path)?;
-    let listener = UnixListener::bind(path)?;
     // Owner only, whatever the umask: the socket promotes, demotes and reports (review,
-    // session 66: under umask 000 any local user could demote a primary).
+    // session 66: under umask 000 any local user could demote a primary). Made so by the
+    // umask at the bind itself, so that no one can connect in a moment before a chmod
+    // (the process is still starting, and nothing else creates files meanwhile); the
+    // chmod after it covers a file system that ignores the umask for sockets.
+    let before = rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o177));
+    let bound = UnixListener::bind(path);
+    rustix::process::umask(before);
+    let listener = bound?;
     if let Err(e) = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)) {
         let _ = std::fs::remove_file(path);
         return Err(e);

@@ -626,24 +626,58 @@ fn watch_resync(target: &ControlTarget) -> anyhow::Result<()> {
 fn run_control_command(target: &ControlTarget, request: &str, json: bool) -> anyhow::Result<()> {
     let path = control_path(target)?;
     let reply = netblk::control::request(&path, request)?;
-    let mut stdout = std::io::stdout().lock();
-    if json {
-        writeln!(stdout, "{}", serde_json::to_string_pretty(&reply)?)?;
+    let json_text = if json {
+        Some(serde_json::to_string_pretty(&reply)?)
     } else {
-        if !reply.message.is_empty() {
-            writeln!(stdout, "{}", reply.message)?;
+        None
+    };
+    let printed = (|| -> std::io::Result<()> {
+        let mut stdout = std::io::stdout().lock();
+        if let Some(text) = &json_text {
+            writeln!(stdout, "{text}")?;
+        } else {
+            if !reply.message.is_empty() {
+                writeln!(stdout, "{}", reply.message)?;
+            }
+            if let Some(status) = &reply.status {
+                write!(stdout, "{}", netblk::replication::control::render(status))?;
+            }
+            if let Some(server) = &reply.server {
+                write!(stdout, "{}", netblk::control::render_server(server))?;
+            }
         }
-        if let Some(status) = &reply.status {
-            write!(stdout, "{}", netblk::replication::control::render(status))?;
-        }
-        if let Some(server) = &reply.server {
-            write!(stdout, "{}", netblk::control::render_server(server))?;
-        }
-    }
+        Ok(())
+    })();
+    // A refusal is the command's outcome whether or not its text could be printed: a
+    // reader that left early (`| grep -q`) must not turn it into success (re-review,
+    // session 66).
     if !reply.ok {
         bail!("{request}: {}", reply.message);
     }
+    printed?;
     Ok(())
+}
+
+/// The next SIGHUP, or never when it is ignored.
+async fn hangup(hup: &mut Option<tokio::signal::unix::Signal>) {
+    match hup {
+        Some(signal) => {
+            signal.recv().await;
+        }
+        None => std::future::pending().await,
+    }
+}
+
+/// Whether this process started with SIGHUP ignored (`nohup`), from the `SigIgn` mask of
+/// /proc/self/status (bit 0 is signal 1, SIGHUP).
+fn sighup_ignored() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            let mask = status.lines().find_map(|l| l.strip_prefix("SigIgn:"))?;
+            u64::from_str_radix(mask.trim(), 16).ok()
+        })
+        .is_some_and(|mask| mask & 1 != 0)
 }
 
 /// A future that completes on SIGINT, SIGTERM or SIGHUP; the handlers are installed at
@@ -654,19 +688,26 @@ fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
     let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
-    let mut hup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
+    // Under `nohup` SIGHUP is ignored, and must stay so: a handler would replace the
+    // inherited SIG_IGN, and the server would stop when its login session ended
+    // (re-review, session 66).
+    let mut hup = if sighup_ignored() {
+        None
+    } else {
+        Some(signal(SignalKind::hangup()).context("installing the SIGHUP handler")?)
+    };
     Ok(async move {
         tokio::select! {
             _ = int.recv() => tracing::info!("SIGINT received: finishing requests in flight (signal again to exit now)"),
             _ = term.recv() => tracing::info!("SIGTERM received: finishing requests in flight (signal again to exit now)"),
-            _ = hup.recv() => tracing::info!("SIGHUP received: finishing requests in flight (signal again to exit now)"),
+            () = hangup(&mut hup) => tracing::info!("SIGHUP received: finishing requests in flight (signal again to exit now)"),
         }
         // A second signal during the drain means "now": leave without waiting.
         tokio::spawn(async move {
             tokio::select! {
                 _ = int.recv() => {}
                 _ = term.recv() => {}
-                _ = hup.recv() => {}
+                () = hangup(&mut hup) => {}
             }
             tracing::warn!("second signal: exiting without waiting for requests in flight");
             std::process::exit(130);

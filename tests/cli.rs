@@ -579,6 +579,51 @@ fn a_status_reader_that_leaves_early_is_no_error() {
         assert!(out.status.success(), "{args:?}: {} {stderr}", out.status);
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
+    // A refused command still fails (a plain server has no role to promote), whether or
+    // not its reader stayed (re-review, session 66: exit 0 with a closed stdout).
+    let (reader, writer) = rustix::pipe::pipe().unwrap();
+    drop(reader);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_netblk"))
+        .args(["promote", "--control", control_text])
+        .stdout(std::process::Stdio::from(writer))
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "a refused promote exited 0");
+}
+
+/// Under `nohup` (SIGHUP ignored), SIGHUP does not stop the server: it leaves the
+/// inherited disposition alone (re-review, session 66).
+#[test]
+fn under_nohup_sighup_is_still_ignored() {
+    if !have("nohup") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = std::process::Command::new("nohup")
+        .arg(env!("CARGO_BIN_EXE_netblk"))
+        .args(["serve", "--listen", "127.0.0.1:0", "memory:16M"])
+        .current_dir(dir.path())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert!(line.contains("listening"), "{line}");
+    let pid = rustix::process::Pid::from_child(&child);
+    rustix::process::kill_process(pid, rustix::process::Signal::Hup).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "stopped by SIGHUP under nohup"
+    );
+    rustix::process::kill_process(pid, rustix::process::Signal::Term).unwrap();
+    assert!(child.wait().unwrap().success());
 }
 
 /// A client connected but idle when the server stops (as libnbd and qemu are between

@@ -903,6 +903,37 @@ fn a_restart_with_primary_beside_a_live_primary_is_refused_and_resynced() {
     assert_same_files(&dir.path().join("alpha.img"), &dir.path().join("beta.img"));
 }
 
+/// A stop signal while `--primary` waits for its peers ends the wait at once, without
+/// taking the role (re-review, session 66: SIGTERM waited out the 20 s, then the node
+/// promoted itself and stopped as primary).
+#[test]
+fn a_stop_while_primary_waits_for_its_peers_is_prompt_and_takes_no_role() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair(dir.path());
+    let text = std::fs::read_to_string(&config)
+        .unwrap()
+        .replace("peer_timeout = \"1s\"", "peer_timeout = \"20s\"");
+    std::fs::write(&config, text).unwrap();
+    let mut alpha = start_node(&config, "alpha", true);
+    wait_for_log("alpha", || alpha.stderr(), "waiting up to", 1);
+    let started = Instant::now();
+    alpha.signal("TERM");
+    let status = alpha
+        .wait_exit(Duration::from_secs(15))
+        .expect("exits after SIGTERM");
+    assert!(status.success(), "{status}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "the stop took {:?}",
+        started.elapsed()
+    );
+    assert!(
+        !alpha.stderr().contains("promoted to primary"),
+        "{}",
+        alpha.stderr()
+    );
+}
+
 // ---- two network namespaces ----
 
 /// Two namespaces joined by a veth pair, removed on drop.

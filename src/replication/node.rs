@@ -107,6 +107,7 @@ impl Node {
     /// Serves NBD clients and peers until `shutdown` completes, then flushes and closes
     /// the metadata cleanly.
     pub async fn serve(self, shutdown: impl std::future::Future) -> anyhow::Result<()> {
+        let mut shutdown = std::pin::pin!(shutdown);
         let (stop_tx, stop_rx) = watch::channel(false);
         let replication = tokio::spawn(run_replication(
             Arc::clone(&self.shared),
@@ -121,8 +122,17 @@ impl Node {
         ));
         // Before any client is served: a client's write on a node that became primary
         // beside another would start a split brain.
+        // A stop signal during the wait ends it without taking the role (re-review, session
+        // 66: the wait ignored SIGTERM and even a second SIGINT, then promoted and stopped).
+        let mut stopped_early = false;
         if self.take_primary {
-            take_primary_role(&self.shared).await;
+            tokio::select! {
+                () = take_primary_role(&self.shared) => {}
+                _ = &mut shutdown => {
+                    info!("stopping before the primary role was taken");
+                    stopped_early = true;
+                }
+            }
         }
         let export = Arc::new(Export {
             name: String::new(),
@@ -142,7 +152,11 @@ impl Node {
             tcp: self.shared.tcp.clone(),
             clients: Default::default(),
         };
-        let result = serve(vec![self.clients], config, shutdown).await;
+        let result = if stopped_early {
+            serve(vec![self.clients], config, std::future::ready(())).await
+        } else {
+            serve(vec![self.clients], config, shutdown).await
+        };
         // The final flush above reached every connected peer: nothing is missing there.
         self.shared.stop();
         let _ = stop_tx.send(true);

@@ -765,9 +765,7 @@ async fn a_slow_resync_shows_its_progress_before_its_first_barrier() {
     let pair = cluster_started("C", 2, local, "1M", 2, None).await;
     wait_until("a quarter of the pass is shown done", || {
         let peer = &pair.primary.status().peers[0];
-        peer.resyncing()
-            && peer.resync_done_bytes >= 1 << 20
-            && peer.resync_rate_bytes_per_sec > 0
+        peer.resyncing() && peer.resync_done_bytes >= 1 << 20 && peer.resync_rate_bytes_per_sec > 0
     })
     .await;
     let peer = &pair.primary.status().peers[0];

@@ -264,20 +264,34 @@ pub fn render_server(status: &ServerStatus) -> String {
 mod tests {
     use super::*;
 
+    /// Serves `listener` with replies that echo each request line; stopped by the sender.
+    fn serve_echo(
+        listener: UnixListener,
+        path: &Path,
+    ) -> (watch::Sender<bool>, tokio::task::JoinHandle<()>) {
+        let (stop, stop_rx) = watch::channel(false);
+        let served = tokio::spawn(serve(
+            listener,
+            path.to_path_buf(),
+            stop_rx,
+            |line| async move {
+                Reply {
+                    ok: true,
+                    message: line,
+                    status: None,
+                    server: None,
+                }
+            },
+        ));
+        (stop, served)
+    }
+
     #[tokio::test]
     async fn an_overlong_request_is_refused_without_reading_it_all() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("ctl");
         let listener = bind(&path).unwrap();
-        let (stop, stop_rx) = watch::channel(false);
-        let served = tokio::spawn(serve(listener, path.clone(), stop_rx, |line| async move {
-            Reply {
-                ok: true,
-                message: line,
-                status: None,
-                server: None,
-            }
-        }));
+        let (stop, served) = serve_echo(listener, &path);
         let asking = path.clone();
         let replies = tokio::task::spawn_blocking(move || {
             let normal = request(&asking, "status").unwrap();
@@ -315,15 +329,7 @@ mod tests {
         let listener = bind(&path).unwrap();
         let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o600, "control socket mode {mode:o}");
-        let (stop, stop_rx) = watch::channel(false);
-        let served = tokio::spawn(serve(listener, path.clone(), stop_rx, |line| async move {
-            Reply {
-                ok: true,
-                message: line,
-                status: None,
-                server: None,
-            }
-        }));
+        let (stop, served) = serve_echo(listener, &path);
         let asking = path.clone();
         let (busy, after) = tokio::task::spawn_blocking(move || {
             let idle: Vec<_> = (0..MAX_CONTROL_REQUESTS)

@@ -1293,12 +1293,21 @@ impl Shared {
         // older than this node's without being refused.
         let generations = meta.superblock().generations;
         drop(meta);
+        self.tell_peers_as_secondary(DiskState::UpToDate, generations);
+    }
+
+    /// Sends this secondary's disk state and generations to every connected peer.
+    fn tell_peers_as_secondary(
+        &self,
+        disk: DiskState,
+        generations: super::generation::Generations,
+    ) {
         for slot in &self.peers {
             let conn = slot.conn.lock().unwrap_or_else(|e| e.into_inner()).clone();
             if let Some(conn) = conn {
                 conn.send(Message::State {
                     role: Role::Secondary,
-                    disk: DiskState::UpToDate,
+                    disk,
                     generations,
                 });
             }
@@ -1328,16 +1337,7 @@ impl Shared {
         );
         let generations = meta.superblock().generations;
         drop(meta);
-        for slot in &self.peers {
-            let conn = slot.conn.lock().unwrap_or_else(|e| e.into_inner()).clone();
-            if let Some(conn) = conn {
-                conn.send(Message::State {
-                    role: Role::Secondary,
-                    disk,
-                    generations,
-                });
-            }
-        }
+        self.tell_peers_as_secondary(disk, generations);
         Ok(())
     }
 

@@ -533,19 +533,20 @@ fn stop_cleanly(server: &mut Server) -> Duration {
     started.elapsed()
 }
 
-/// SIGHUP (the terminal closed) stops the server as SIGTERM does: exit 0, its socket
-/// removed (review, session 66: killed by default, no final flush, sockets left behind).
-/// Started through `env --default-signal=HUP`, because a test run under `nohup` passes an
-/// ignored SIGHUP on, which the server rightly leaves ignored.
-#[test]
-fn sighup_stops_the_server_cleanly() {
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("nbd.sock");
-    let listen = format!("unix:{}", socket.display());
-    let mut child = std::process::Command::new("env")
-        .arg("--default-signal=HUP")
+/// Starts `netblk serve ARGS` through `launcher` (a program and its arguments, such as
+/// `nohup`, that sets up the signals the server inherits) in `dir`, and waits for its first
+/// listener line. The common `Server` starts the binary itself.
+fn serve_launched(
+    launcher: &[&str],
+    args: &[&str],
+    dir: &std::path::Path,
+) -> (std::process::Child, rustix::process::Pid) {
+    let mut child = std::process::Command::new(launcher[0])
+        .args(&launcher[1..])
         .arg(env!("CARGO_BIN_EXE_netblk"))
-        .args(["serve", "--listen", &listen, "memory:16M"])
+        .arg("serve")
+        .args(args)
+        .current_dir(dir)
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
@@ -558,8 +559,25 @@ fn sighup_stops_the_server_cleanly() {
     )
     .unwrap();
     assert!(line.contains("listening"), "{line}");
-    assert!(socket.exists());
     let pid = rustix::process::Pid::from_child(&child);
+    (child, pid)
+}
+
+/// SIGHUP (the terminal closed) stops the server as SIGTERM does: exit 0, its socket
+/// removed (review, session 66: killed by default, no final flush, sockets left behind).
+/// Started through `env --default-signal=HUP`, because a test run under `nohup` passes an
+/// ignored SIGHUP on, which the server rightly leaves ignored.
+#[test]
+fn sighup_stops_the_server_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("nbd.sock");
+    let listen = format!("unix:{}", socket.display());
+    let (mut child, pid) = serve_launched(
+        &["env", "--default-signal=HUP"],
+        &["--listen", &listen, "memory:16M"],
+        dir.path(),
+    );
+    assert!(socket.exists());
     rustix::process::kill_process(pid, rustix::process::Signal::Hup).unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     let status = loop {
@@ -622,23 +640,11 @@ fn under_nohup_sighup_is_still_ignored() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let mut child = std::process::Command::new("nohup")
-        .arg(env!("CARGO_BIN_EXE_netblk"))
-        .args(["serve", "--listen", "127.0.0.1:0", "memory:16M"])
-        .current_dir(dir.path())
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
-        &mut line,
-    )
-    .unwrap();
-    assert!(line.contains("listening"), "{line}");
-    let pid = rustix::process::Pid::from_child(&child);
+    let (mut child, pid) = serve_launched(
+        &["nohup"],
+        &["--listen", "127.0.0.1:0", "memory:16M"],
+        dir.path(),
+    );
     rustix::process::kill_process(pid, rustix::process::Signal::Hup).unwrap();
     std::thread::sleep(Duration::from_millis(500));
     assert!(

@@ -934,6 +934,33 @@ fn a_stop_while_primary_waits_for_its_peers_is_prompt_and_takes_no_role() {
     );
 }
 
+/// An operator's `demote` while a `--primary` start waits for its peers decides the role:
+/// the promotion at the end of the wait overrode it (review, session 66).
+#[test]
+fn a_demote_during_the_primary_wait_keeps_the_node_secondary() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair(dir.path());
+    let text = std::fs::read_to_string(&config)
+        .unwrap()
+        .replace("peer_timeout = \"1s\"", "peer_timeout = \"2s\"");
+    std::fs::write(&config, text).unwrap();
+    let alpha = start_node(&config, "alpha", true);
+    wait_for_log("alpha", || alpha.stderr(), "waiting up to", 1);
+    let demote = netblk(&["demote", "--node", "alpha"], &config);
+    assert!(demote.status.success(), "{demote:?}");
+    wait_for_log("alpha", || alpha.stderr(), "it decides the role", 1);
+    std::thread::sleep(Duration::from_secs(3));
+    let status = netblk(&["status", "--node", "alpha"], &config);
+    let text = String::from_utf8_lossy(&status.stdout);
+    assert!(text.contains("secondary"), "{text}");
+    assert!(
+        !alpha.stderr().contains("promoted to primary"),
+        "{}",
+        alpha.stderr()
+    );
+    assert!(alpha.stop().success());
+}
+
 // ---- two network namespaces ----
 
 /// Two namespaces joined by a veth pair, removed on drop.

@@ -302,6 +302,7 @@ async fn answer(shared: &Shared, request: &str) -> Reply {
         ["status"] => done(Ok(String::new())),
         ["promote"] | ["promote", "--force"] => {
             let force = words.len() == 2;
+            shared.note_role_command();
             let result = shared.promote(force).map(|promoted| {
                 if promoted {
                     shared.announce_primary_and_reconnect();
@@ -313,6 +314,7 @@ async fn answer(shared: &Shared, request: &str) -> Reply {
             done(result)
         }
         ["demote"] => {
+            shared.note_role_command();
             let result = shared.demote().await.map(|()| {
                 shared.drop_connections();
                 "demoted to secondary".to_string()

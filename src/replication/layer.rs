@@ -132,6 +132,9 @@ pub struct Shared {
     pub meta: Mutex<Metadata>,
     pub peers: Vec<PeerSlot>,
     primary: AtomicBool,
+    /// Set by an operator's `promote` or `demote` (the control socket): from then on the
+    /// role is theirs, and a `--primary` start still waiting for its peers does not take it.
+    role_commanded: AtomicBool,
     /// Set after the final flush: connections ending now lose nothing.
     stopping: AtomicBool,
     next_seq: AtomicU64,
@@ -205,6 +208,7 @@ impl Shared {
             meta: Mutex::new(meta),
             peers,
             primary: AtomicBool::new(false),
+            role_commanded: AtomicBool::new(false),
             stopping: AtomicBool::new(false),
             next_seq: AtomicU64::new(1),
             next_epoch: AtomicU64::new(1),
@@ -218,6 +222,16 @@ impl Shared {
 
     pub fn is_primary(&self) -> bool {
         self.primary.load(Ordering::Acquire)
+    }
+
+    /// Records that an operator chose the role (`netblk promote` or `netblk demote`).
+    pub fn note_role_command(&self) {
+        self.role_commanded.store(true, Ordering::Release);
+    }
+
+    /// Whether an operator has chosen the role since the start (see [`Self::note_role_command`]).
+    pub fn role_commanded(&self) -> bool {
+        self.role_commanded.load(Ordering::Acquire)
     }
 
     pub fn role(&self) -> Role {

@@ -218,7 +218,9 @@ async fn open_node(
 /// Promoting before any hello (as until session 66) let a node that restarted with
 /// `--primary` beside a live primary take the role too and accept a client's write: a
 /// split brain the checks would have refused (review). Refused, the node stays up as a
-/// secondary (it may be resynced meanwhile) and says why.
+/// secondary (it may be resynced meanwhile) and says why. An operator's `promote` or
+/// `demote` during the wait decides instead: a demote was overridden by the promotion at
+/// the end of the wait (review, session 66).
 async fn take_primary_role(shared: &Shared) {
     let deadline = tokio::time::Instant::now() + shared.resource.peer_timeout;
     let all_connected = || {
@@ -235,8 +237,12 @@ async fn take_primary_role(shared: &Shared) {
             shared.resource.peer_timeout
         );
     }
-    while !all_connected() && tokio::time::Instant::now() < deadline {
+    while !all_connected() && !shared.role_commanded() && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    if shared.role_commanded() {
+        info!("--primary: an operator's promote or demote came first; it decides the role");
+        return;
     }
     match shared.promote(false) {
         // Links made with this node as a secondary are redone with the new role.

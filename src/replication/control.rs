@@ -68,6 +68,10 @@ pub struct PeerStatus {
     /// (by a lost link or a demotion), so the figures above are the current pass's.
     #[serde(default)]
     pub resync_running: bool,
+    /// Whether the last pass finished (its final flush on the peer included); a pass that
+    /// ended otherwise shows as stopped, even with every run sent.
+    #[serde(default)]
+    pub resync_finished: bool,
     /// Why the last attempt to link with this peer was refused, by either side (a split
     /// brain, another primary, a different size...), until a link is made.
     #[serde(default)]
@@ -137,6 +141,7 @@ impl Shared {
                     resync_rate_bytes_per_sec: rate,
                     resync_eta_seconds: running.then_some(eta).flatten(),
                     resync_running: running,
+                    resync_finished: slot.resync_finished.load(Ordering::Acquire),
                     refused: conn
                         .is_none()
                         .then(|| {
@@ -386,7 +391,7 @@ pub fn render(status: &Status) -> String {
             match peer.resync_eta_seconds {
                 Some(eta) if peer.resyncing() => text.push_str(&format!(", ETA {eta} s")),
                 _ if peer.resyncing() => text.push_str(", ETA unknown"),
-                _ if peer.resync_done_bytes >= peer.resync_total_bytes => text.push_str(", done"),
+                _ if peer.resync_finished => text.push_str(", done"),
                 _ => text.push_str(", stopped"),
             }
         }

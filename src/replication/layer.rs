@@ -98,6 +98,10 @@ pub struct PeerSlot {
     pub resync_sent: AtomicU64,
     /// When the current (or last) pass started, and when it ended: for rate and ETA.
     pub resync_clock: Mutex<Option<(std::time::Instant, Option<std::time::Instant>)>>,
+    /// Whether the last pass finished: every region sent and made durable on the peer, its
+    /// bits cleared. A pass cut short (a lost link, a failed flush, a demotion) leaves it
+    /// false even when every run had been sent.
+    pub resync_finished: AtomicBool,
     /// The peer said it became primary (then dropped the link to reconnect in its new
     /// role) and has not said hello since: while set, promoting this node needs force,
     /// or a promote in the reconnect gap would make two primaries.
@@ -196,6 +200,7 @@ impl Shared {
                 resync_total: AtomicU64::new(0),
                 resync_sent: AtomicU64::new(0),
                 resync_clock: Mutex::new(None),
+                resync_finished: AtomicBool::new(false),
                 announced_primary: AtomicBool::new(false),
                 refused: Mutex::new(None),
             })
@@ -1015,6 +1020,7 @@ impl Shared {
         slot.resync_total.store(total, Ordering::Relaxed);
         slot.resync_done.store(0, Ordering::Relaxed);
         slot.resync_sent.store(0, Ordering::Relaxed);
+        slot.resync_finished.store(false, Ordering::Release);
         *slot.resync_clock.lock().unwrap_or_else(|e| e.into_inner()) =
             Some((std::time::Instant::now(), None));
         // However the pass ends (done, failed, or its future dropped), its clock stops, so
@@ -1118,6 +1124,7 @@ impl Shared {
                 generations,
             });
         }
+        slot.resync_finished.store(true, Ordering::Release);
         info!(peer = %slot.config.name, "resync done: {sent_bytes} bytes sent, the rest had equal checksums");
         Ok(())
     }

@@ -30,6 +30,8 @@ struct FaultyDisk {
     inner: MemoryBackend,
     bad_sector: AtomicBool,
     failing: AtomicBool,
+    /// Fails only flushes (writes still land).
+    failing_flush: AtomicBool,
 }
 
 impl FaultyDisk {
@@ -38,6 +40,7 @@ impl FaultyDisk {
             inner: MemoryBackend::new(SIZE, false),
             bad_sector: AtomicBool::new(false),
             failing: AtomicBool::new(false),
+            failing_flush: AtomicBool::new(false),
         })
     }
 
@@ -76,6 +79,9 @@ impl Backend for FaultyDisk {
         self.inner.write(offset, data, fua)
     }
     fn flush(&self) -> BackendFuture<'_, ()> {
+        if self.failing_flush.load(Ordering::Acquire) {
+            return backend_future(async { Err(BackendError::plain("flush", 0, 0, NbdError::Io)) });
+        }
         self.failure("flush", 0, 0)
             .unwrap_or_else(|| self.inner.flush())
     }
@@ -748,6 +754,7 @@ async fn the_first_full_resync_sends_only_differing_regions_at_the_configured_ra
     let status = pair.primary.status();
     assert_eq!(status.peers[0].resync_total_bytes, SIZE);
     assert_eq!(status.peers[0].resync_sent_bytes, 2 << 20);
+    assert!(status.peers[0].resync_finished, "{status:?}");
     assert_eq!(status.out_of_sync_bytes, 0);
     let _ = pair.stop.send(true);
 }
@@ -772,6 +779,45 @@ async fn a_slow_resync_shows_its_progress_before_its_first_barrier() {
     assert!(
         peer.resync_done_bytes < peer.resync_total_bytes,
         "only at the end: {peer:?}"
+    );
+    let _ = pair.stop.send(true);
+}
+
+/// A pass that sent every run but whose final flush failed on the target is shown
+/// stopped, not done: its bits stay set, and the data may not be on the target's disk
+/// (review, session 66: status said "done" from the runs sent).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pass_whose_final_flush_failed_is_not_shown_done() {
+    let local = Arc::new(MemoryBackend::new(SIZE, false));
+    local
+        .write(0, pattern(6, 1 << 20).into(), false)
+        .await
+        .unwrap();
+    let target_disk = FaultyDisk::new();
+    target_disk.failing_flush.store(true, Ordering::Release);
+    let pair = cluster_started(
+        "C",
+        2,
+        local,
+        "1G",
+        2,
+        Some(Arc::clone(&target_disk) as Arc<dyn Backend>),
+    )
+    .await;
+    wait_until("a pass sent every run and ended", || {
+        let peer = &pair.primary.status().peers[0];
+        peer.resync_total_bytes > 0
+            && peer.resync_done_bytes >= peer.resync_total_bytes
+            && !peer.resync_running
+    })
+    .await;
+    let status = pair.primary.status();
+    assert!(status.peers[0].out_of_sync_bytes > 0, "{status:?}");
+    assert!(!status.peers[0].resync_finished, "{status:?}");
+    let text = super::control::render(&status);
+    assert!(
+        text.contains(", stopped") && !text.contains(", done"),
+        "status text: {text}"
     );
     let _ = pair.stop.send(true);
 }

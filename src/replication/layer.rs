@@ -1335,8 +1335,9 @@ impl Shared {
         }
     }
 
-    /// The primary started a new data generation while this node's resync pass runs: an
-    /// up-to-date node (a pass of the regions some crash left in doubt) takes its name,
+    /// The primary started a new data generation while this node's resync pass runs: a
+    /// consistent node (a pass of the regions some crash left in doubt, outdated until it
+    /// ends: see [`Self::begin_bitmap_pass_as_target`]) takes its name,
     /// durably, before any of its writes are applied here (see
     /// [`super::generation::Generations::take_primary_generation`]), and tells its other
     /// peers, as [`Shared::adopt_state_from_primary`] does. An inconsistent one (a full or
@@ -1348,7 +1349,7 @@ impl Shared {
     ) -> Result<(), MetaError> {
         let mut meta = self.meta();
         let disk = meta.superblock().disk;
-        if disk != DiskState::UpToDate {
+        if disk == DiskState::Inconsistent {
             return Ok(());
         }
         meta.update(|sb| sb.generations.take_primary_generation(generations.current))?;
@@ -1365,6 +1366,18 @@ impl Shared {
     /// Marks this node's data as being overwritten by a resync.
     pub fn begin_resync_target(&self) -> Result<(), MetaError> {
         self.meta().update(|sb| sb.disk = DiskState::Inconsistent)
+    }
+
+    /// Records an up-to-date disk as outdated for a pass from a primary of the same
+    /// generation: consistent, but its marked regions may be older than the source's
+    /// until [`Self::adopt_state_from_primary`] ends the pass. An inconsistent disk stays
+    /// inconsistent.
+    pub fn begin_bitmap_pass_as_target(&self) -> Result<(), MetaError> {
+        let mut meta = self.meta();
+        if meta.superblock().disk != DiskState::UpToDate {
+            return Ok(());
+        }
+        meta.update(|sb| sb.disk = DiskState::Outdated)
     }
 }
 

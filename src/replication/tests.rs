@@ -943,8 +943,10 @@ async fn a_target_in_its_pass_takes_the_primarys_new_generation_at_once() {
         "the pass goes on"
     );
     // A node still at the old generation (alpha) is behind gamma, never equal to it.
+    // Gamma is outdated until its pass ends: it may not be promoted without force meanwhile.
     let (disk, taken) = gamma.local_state();
-    assert_eq!(disk, super::wire::DiskState::UpToDate);
+    assert_eq!(disk, super::wire::DiskState::Outdated);
+    assert!(gamma.promote(false).is_err(), "promoted in its pass");
     assert_eq!(
         taken.compare(&before),
         super::generation::SyncDecision::SourceFull
@@ -961,6 +963,10 @@ async fn a_target_in_its_pass_takes_the_primarys_new_generation_at_once() {
         same_bytes(&*beta.local, &*gamma.local, 0, 8 << 20).await,
         "the pass left differences"
     );
+    wait_until("gamma is up to date at the end of its pass", || {
+        gamma.local_state().0 == super::wire::DiskState::UpToDate
+    })
+    .await;
     let _ = trio.stop.send(true);
 }
 

@@ -163,6 +163,18 @@ impl Node {
         let _ = replication.await;
         let _ = control.await;
         tokio::time::sleep(Duration::from_millis(50)).await;
+        // A secondary applied its primary's writes until the link ended, after the last
+        // barrier it took: made durable here before the metadata says the stop was clean
+        // (review, session 67: only the metadata was synced at a secondary's stop).
+        let local_flush = if self.shared.is_detached() {
+            Ok(())
+        } else {
+            self.shared.local.flush().await
+        };
+        let result = match (result, local_flush) {
+            (Ok(()), Err(e)) => Err(anyhow::anyhow!("final flush of the local disk: {e}")),
+            (result, _) => result,
+        };
         if result.is_ok() {
             self.shared.close();
             info!("metadata closed cleanly");

@@ -599,11 +599,11 @@ fn watch_resync(target: &ControlTarget) -> anyhow::Result<()> {
             for peer in &running {
                 writeln!(
                     std::io::stdout(),
-                    "{}: resync {}/{} bytes at {:.1} MB/s, ETA {}",
+                    "{}: resync {}/{} bytes at {:.1} MiB/s, ETA {}",
                     peer.name,
                     peer.resync_done_bytes,
                     peer.resync_total_bytes,
-                    peer.resync_rate_bytes_per_sec as f64 / 1e6,
+                    peer.resync_rate_bytes_per_sec as f64 / f64::from(1 << 20),
                     peer.resync_eta_seconds
                         .map_or("unknown".into(), |s| format!("{s} s"))
                 )?;

@@ -235,7 +235,7 @@ fn a_killed_secondary_is_resynced_from_the_bitmap_only() {
     let watched = netblk(&["status", "--watch", "--node", "alpha"], &config);
     assert!(watched.status.success(), "{watched:?}");
     let text = String::from_utf8_lossy(&watched.stdout);
-    assert!(text.contains("MB/s, done"), "{text}");
+    assert!(text.contains("MiB/s, done"), "{text}");
     assert!(primary.stop().success());
     assert!(secondary.stop().success());
     assert_same_files(&dir.path().join("alpha.img"), &dir.path().join("beta.img"));

@@ -382,11 +382,11 @@ pub fn render(status: &Status) -> String {
         }
         if peer.resync_total_bytes > 0 {
             text.push_str(&format!(
-                ", resync {}/{} bytes ({} sent, the rest equal) at {:.1} MB/s",
+                ", resync {}/{} bytes ({} sent, the rest equal) at {:.1} MiB/s",
                 peer.resync_done_bytes,
                 peer.resync_total_bytes,
                 peer.resync_sent_bytes,
-                peer.resync_rate_bytes_per_sec as f64 / 1e6
+                peer.resync_rate_bytes_per_sec as f64 / f64::from(1 << 20)
             ));
             match peer.resync_eta_seconds {
                 Some(eta) if peer.resyncing() => text.push_str(&format!(", ETA {eta} s")),

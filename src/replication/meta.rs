@@ -203,7 +203,16 @@ impl Metadata {
         let metadata = if path.exists() {
             Metadata::open(path)?
         } else {
-            Metadata::create(path, node, resource, peers, size)?
+            match Metadata::create(path, node, resource, peers, size) {
+                // Another start created it meanwhile: open it (it is locked while that
+                // node runs).
+                Err(MetaError::Io { source, .. })
+                    if source.kind() == std::io::ErrorKind::AlreadyExists =>
+                {
+                    Metadata::open(path)?
+                }
+                created => created?,
+            }
         };
         let check = |what, found: &str, expected: &str| {
             if found == expected {
@@ -235,7 +244,49 @@ impl Metadata {
     }
 
     /// Creates fresh metadata: just-created generation, secondary, nothing out of sync.
+    /// It is written in full under a temporary name and then renamed into place, so a
+    /// crash or a second start in the middle never leaves an empty or half-written file
+    /// under the real name (which every later start would refuse).
     pub fn create(
+        path: &Path,
+        node: &str,
+        resource: &str,
+        peers: &[String],
+        size: u64,
+    ) -> Result<Metadata, MetaError> {
+        let mut temporary = path.as_os_str().to_owned();
+        temporary.push(format!(".creating.{}", std::process::id()));
+        let temporary = std::path::PathBuf::from(temporary);
+        let created = Metadata::create_at(&temporary, path, node, resource, peers, size).and_then(
+            |metadata| {
+                use rustix::fs::{renameat_with, RenameFlags, CWD};
+                renameat_with(CWD, &temporary, CWD, path, RenameFlags::NOREPLACE)
+                    .map_err(|e| io_err(path, "naming")(e.into()))?;
+                Ok(metadata)
+            },
+        );
+        let metadata = match created {
+            Ok(metadata) => metadata,
+            Err(e) => {
+                let _ = std::fs::remove_file(&temporary);
+                return Err(e);
+            }
+        };
+        // The new name must survive a power cut too, or the next start would create fresh
+        // metadata over data this node already took writes into.
+        let directory = match path.parent() {
+            Some(parent) if !parent.as_os_str().is_empty() => parent,
+            _ => Path::new("."),
+        };
+        File::open(directory)
+            .and_then(|d| d.sync_all())
+            .map_err(io_err(directory, "syncing the directory of"))?;
+        Ok(metadata)
+    }
+
+    /// Writes fresh metadata to `temporary`, locked, for [`Self::create`] to name `path`.
+    fn create_at(
+        temporary: &Path,
         path: &Path,
         node: &str,
         resource: &str,
@@ -246,7 +297,7 @@ impl Metadata {
             .read(true)
             .write(true)
             .create_new(true)
-            .open(path)
+            .open(temporary)
             .map_err(io_err(path, "creating"))?;
         lock_exclusively(&file, path)?;
         let regions = size.div_ceil(REGION_SIZE);
@@ -287,15 +338,6 @@ impl Metadata {
         metadata.write_superblock()?;
         metadata.write_superblock()?;
         metadata.write_activity_log()?;
-        // The new name must survive a power cut too, or the next start would create fresh
-        // metadata over data this node already took writes into.
-        let directory = match path.parent() {
-            Some(parent) if !parent.as_os_str().is_empty() => parent,
-            _ => Path::new("."),
-        };
-        File::open(directory)
-            .and_then(|d| d.sync_all())
-            .map_err(io_err(directory, "syncing the directory of"))?;
         Ok(metadata)
     }
 
@@ -1196,6 +1238,37 @@ mod tests {
                 Ok(())
             })
             .unwrap();
+    }
+
+    /// Fresh metadata appears under its name only complete (written under a temporary
+    /// name, then renamed): a crash in the middle left an empty file there that every
+    /// later start refused (review, session 66). A create over an existing file changes
+    /// nothing and leaves no temporary file behind.
+    #[test]
+    fn fresh_metadata_appears_under_its_name_only_complete() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, metadata) = fresh(&dir);
+        let names = |dir: &tempfile::TempDir| {
+            let mut names: Vec<_> = std::fs::read_dir(dir.path())
+                .unwrap()
+                .map(|entry| entry.unwrap().file_name())
+                .collect();
+            names.sort();
+            names
+        };
+        assert_eq!(names(&dir), vec![path.file_name().unwrap().to_owned()]);
+        let before = std::fs::read(&path).unwrap();
+        match Metadata::create(&path, "alpha", "r0", &peers(), SIZE) {
+            Err(MetaError::Io { source, .. })
+                if source.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => panic!("refused for another reason: {e}"),
+            Ok(_) => panic!("created over existing metadata"),
+        }
+        assert_eq!(std::fs::read(&path).unwrap(), before);
+        assert_eq!(names(&dir), vec![path.file_name().unwrap().to_owned()]);
+        drop(metadata);
+        let reopened = Metadata::open(&path).unwrap();
+        assert_eq!(reopened.superblock().node, "alpha");
     }
 
     /// A second open of metadata in use is refused before it reads or writes anything, and

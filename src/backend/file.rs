@@ -5,7 +5,7 @@
 //! ([`super::mapping`]) unless large ones are spliced into it without a copy
 //! ([`super::splice`]), and other reads are tried on the calling thread first. With `--cache=none` the file is opened `O_DIRECT` and requests that do not cover
 //! whole blocks are read-modify-written under a range lock ([`super::range_lock`]). TRIM
-//! punches holes, WRITE_ZEROES uses `fallocate`, block status comes from
+//! punches holes (on a device: `BLKDISCARD`), WRITE_ZEROES uses `fallocate`, block status comes from
 //! `SEEK_DATA`/`SEEK_HOLE`, page-cache FUA writes use `RWF_DSYNC` (direct ones a write and a
 //! sync), and FLUSH syncs only when a write completed since the last sync, answering only
 //! once the syncs beside it ended ([`SyncsInFlight`]; and fails for good once a sync
@@ -60,6 +60,9 @@ pub struct FileBackend {
     size: u64,
     read_only: bool,
     block_device: bool,
+    /// The media is rotational (sysfs `queue/rotational` of the device, or of the device
+    /// holding the file): advertised to clients as `NBD_FLAG_ROTATIONAL`.
+    rotational: bool,
     /// What `fallocate` on the file wants its ranges aligned to: a block device's logical
     /// block size (it refuses anything else with `EINVAL`), 1 for a regular file.
     fallocate_block: u64,
@@ -384,6 +387,38 @@ impl FileBackend {
                 path.display()
             );
         }
+        // As root, a read-write open of a read-only device (`losetup -r`, a write-protected
+        // disk) succeeds, and every write then fails with EPERM: export it read-only
+        // instead, as the device is (review, session 67: it was advertised writable).
+        let read_only = read_only
+            || (block_device && {
+                let device_read_only = rustix::fs::fstat(&file)
+                    .ok()
+                    .and_then(|stat| device_attribute(stat.st_rdev, "ro"))
+                    .is_some_and(|ro| ro != 0);
+                if device_read_only {
+                    tracing::warn!(
+                        "{} is a read-only device: exported read-only",
+                        path.display()
+                    );
+                }
+                device_read_only
+            });
+        // The media under the export: the device's own queue, or that of the device that
+        // holds the file (none for tmpfs and the like: not rotational).
+        let rotational = rustix::fs::fstat(&file)
+            .ok()
+            .and_then(|stat| {
+                queue_attribute(
+                    if block_device {
+                        stat.st_rdev
+                    } else {
+                        stat.st_dev
+                    },
+                    "rotational",
+                )
+            })
+            .is_some_and(|rotational| rotational != 0);
         let cache = cache.unwrap_or(if block_device {
             CacheMode::None
         } else {
@@ -446,6 +481,7 @@ impl FileBackend {
             size: actual,
             read_only,
             block_device,
+            rotational,
             fallocate_block,
             cache,
             block,
@@ -498,23 +534,34 @@ impl FileBackend {
     /// sysfs); else the kernel writes pages of zeroes for a `fallocate`. False when sysfs
     /// cannot tell.
     fn device_zeroes_fast(&self) -> bool {
-        let Ok(stat) = rustix::fs::fstat(&*self.file) else {
-            return false;
-        };
-        let (major, minor) = (
-            rustix::fs::major(stat.st_rdev),
-            rustix::fs::minor(stat.st_rdev),
+        rustix::fs::fstat(&*self.file)
+            .ok()
+            .and_then(|stat| queue_attribute(stat.st_rdev, "write_zeroes_max_bytes"))
+            .is_some_and(|bytes| bytes > 0)
+    }
+
+    /// A read within the export's size met the end of the data. A file's end is read as
+    /// zeroes; a device's size is fixed, so a device that ends there was shrunk under the
+    /// export (an `lvreduce`, `losetup -c`), and zeroes would be a silent wrong answer
+    /// (review, session 67): EIO.
+    fn past_the_end(&self, offset: u64, want: usize) -> Result<(), BackendError> {
+        if !self.block_device {
+            return Ok(());
+        }
+        let error = BackendError::io(
+            "read",
+            offset,
+            want as u64,
+            std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                format!(
+                    "{} ends before its exported size of {} bytes: shrunk while exported?",
+                    self.path.display(),
+                    self.size
+                ),
+            ),
         );
-        let device = format!("/sys/dev/block/{major}:{minor}");
-        // A partition's queue is its disk's, one level up.
-        [
-            format!("{device}/queue/write_zeroes_max_bytes"),
-            format!("{device}/../queue/write_zeroes_max_bytes"),
-        ]
-        .iter()
-        .find_map(|path| std::fs::read_to_string(path).ok())
-        .and_then(|text| text.trim().parse::<u64>().ok())
-        .is_some_and(|bytes| bytes > 0)
+        Err(error)
     }
 
     /// The error of a failed read of `want` bytes at `offset`, which turns mapped reads off.
@@ -551,7 +598,7 @@ impl FileBackend {
     }
 
     /// Fills all of `buffer` from `offset` (short only at the end of the file, where the
-    /// rest is zeroed).
+    /// rest is zeroed; a device shorter than it was at the start fails instead).
     async fn read_into(&self, offset: u64, mut buffer: Buffer) -> Result<Buffer, BackendError> {
         let want = buffer.len();
         let mut filled = 0usize;
@@ -560,6 +607,7 @@ impl FileBackend {
             buffer = returned;
             filled = result.map_err(|e| self.read_failed(offset, want, e))?;
             if filled == 0 {
+                self.past_the_end(offset, want)?;
                 buffer.as_mut().fill(0);
                 return Ok(buffer);
             }
@@ -573,6 +621,7 @@ impl FileBackend {
                 .await;
             let n = result.map_err(|e| self.read_failed(offset, want, e))?;
             if n == 0 {
+                self.past_the_end(offset, want)?;
                 buffer.as_mut()[filled..].fill(0);
                 break;
             }
@@ -876,6 +925,43 @@ fn read_without_blocking(file: &File, offset: u64, length: usize) -> Option<Buff
 
 /// Where a direct-I/O file wants its offsets and memory aligned: what `statx` reports, else
 /// the device's logical block size, else a page (always safe).
+/// A number from the sysfs directory of block device `device` (`/sys/dev/block/M:m/NAME`).
+fn device_attribute(device: u64, name: &str) -> Option<u64> {
+    let (major, minor) = (rustix::fs::major(device), rustix::fs::minor(device));
+    std::fs::read_to_string(format!("/sys/dev/block/{major}:{minor}/{name}"))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// A number from the request queue of block device `device` in sysfs; a partition's queue
+/// is its disk's, one level up.
+fn queue_attribute(device: u64, name: &str) -> Option<u64> {
+    device_attribute(device, &format!("queue/{name}"))
+        .or_else(|| device_attribute(device, &format!("../queue/{name}")))
+}
+
+/// `BLKDISCARD` from linux/fs.h: `_IO(0x12, 119)`, whose argument points at the start and
+/// length in bytes.
+const BLKDISCARD: rustix::ioctl::RawOpcode = 0x1277;
+
+/// Discards `length` bytes at `offset` of a block device (whole logical blocks; EOPNOTSUPP
+/// where the device cannot discard). The one ioctl here without a rustix wrapper.
+#[allow(unsafe_code)]
+fn discard(file: &File, offset: u64, length: u64) -> rustix::io::Result<()> {
+    use rustix::ioctl::{ioctl, BadOpcode, Setter};
+    // SAFETY: BLKDISCARD reads two u64 (start and length in bytes) through its argument,
+    // which `Setter` points at the array it owns for the length of the call; the kernel
+    // neither writes through it nor keeps it.
+    unsafe {
+        ioctl(
+            file,
+            Setter::<BadOpcode<BLKDISCARD>, [u64; 2]>::new([offset, length]),
+        )
+    }
+}
+
 fn direct_io_alignment(file: &File, block_device: bool) -> (u64, usize) {
     if let Ok(stat) = rustix::fs::statx(
         file,
@@ -906,7 +992,10 @@ impl Backend for FileBackend {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::full_store(self.read_only)
+        Capabilities {
+            rotational: self.rotational,
+            ..Capabilities::full_store(self.read_only)
+        }
     }
 
     fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
@@ -1067,10 +1156,19 @@ impl Backend for FileBackend {
             if start == end {
                 return Ok(());
             }
+            let block_device = self.block_device;
             let discarded = self
                 .blocking("trim", offset, length, move |file| {
-                    let flags = FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE;
-                    match rustix::fs::fallocate(file, flags, start, end - start) {
+                    // On a device, a hole punch is a zeroing (a write-zeroes command, or
+                    // EOPNOTSUPP without one): only BLKDISCARD discards (review, session
+                    // 67: TRIM freed nothing on an SSD or thin volume).
+                    let done = if block_device {
+                        discard(file, start, end - start)
+                    } else {
+                        let flags = FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE;
+                        rustix::fs::fallocate(file, flags, start, end - start)
+                    };
+                    match done {
                         Ok(()) => Ok(true),
                         // TRIM is advisory: a store that cannot discard keeps the data.
                         Err(rustix::io::Errno::OPNOTSUPP) => Ok(false),
@@ -1099,7 +1197,10 @@ impl Backend for FileBackend {
             let zeroed = start == end
                 || self
                     .blocking("write zeroes", offset, length, move |file| {
-                        let mode = if flags.may_trim && !block_device {
+                        // On a device a hole punch zeroes too, and lets the device unmap
+                        // the blocks (without an offloaded zeroing it fails, and the range
+                        // is written by hand); a zero range keeps them allocated.
+                        let mode = if flags.may_trim {
                             FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE
                         } else {
                             FallocateFlags::ZERO_RANGE | FallocateFlags::KEEP_SIZE

@@ -220,17 +220,26 @@ impl Capabilities {
         }
     }
 
+    /// Whether `NBD_FLAG_SEND_FAST_ZERO` is advertised: zeroing on a writable export that
+    /// can say whether it will be fast.
+    pub fn fast_zero_offered(&self) -> bool {
+        !self.read_only && self.write_zeroes && self.fast_zero
+    }
+
     /// The NBD transmission flags for these capabilities. `chunked_replies` says whether
     /// structured replies or extended headers were negotiated (DF needs them).
     pub fn transmission_flags(&self, chunked_replies: bool) -> u16 {
         let mut flags = tf::HAS_FLAGS;
+        // A read-only export offers nothing that changes data (as nbdkit and qemu-nbd do):
+        // a client that asked would be refused with EPERM anyway.
+        let writable = !self.read_only;
         let pairs = [
             (self.read_only, tf::READ_ONLY),
             (self.flush, tf::SEND_FLUSH),
-            (self.fua, tf::SEND_FUA),
-            (self.trim, tf::SEND_TRIM),
-            (self.write_zeroes, tf::SEND_WRITE_ZEROES),
-            (self.write_zeroes && self.fast_zero, tf::SEND_FAST_ZERO),
+            (writable && self.fua, tf::SEND_FUA),
+            (writable && self.trim, tf::SEND_TRIM),
+            (writable && self.write_zeroes, tf::SEND_WRITE_ZEROES),
+            (self.fast_zero_offered(), tf::SEND_FAST_ZERO),
             (self.cache, tf::SEND_CACHE),
             (self.multi_conn, tf::CAN_MULTI_CONN),
             (self.rotational, tf::ROTATIONAL),

@@ -336,7 +336,7 @@ pub async fn run<S: Stream>(
     let limits = Limits {
         size: backend.size(),
         read_only: capabilities.read_only,
-        fast_zero: capabilities.write_zeroes && capabilities.fast_zero,
+        fast_zero: capabilities.fast_zero_offered(),
         style: negotiated.request_style,
         chunked_replies: negotiated.reply_style != ReplyStyle::Simple,
         base_allocation: negotiated.base_allocation,

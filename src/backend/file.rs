@@ -441,9 +441,16 @@ impl FileBackend {
                     })?;
                 let (block, memory_align) = direct_io_alignment(&direct, block_device);
                 if actual % block != 0 {
+                    // A device's page cache is read and written in its own blocks too:
+                    // writeback mode would fail at the last partial block.
+                    let advice = if block_device {
+                        "resize the device (for a loop device, its file) to a whole number of blocks"
+                    } else {
+                        "use --cache=writeback"
+                    };
                     bail!(
                         "{} is {actual} bytes, not a whole number of {block}-byte blocks, \
-                         which direct I/O (--cache=none) needs; use --cache=writeback",
+                         which direct I/O (--cache=none) needs; {advice}",
                         path.display()
                     );
                 }

@@ -393,6 +393,51 @@ fn unreadable_sectors_fail_each_read_of_them_and_nothing_else() {
     }
 }
 
+/// An unaligned request under direct I/O works on the blocks around it, but a failure is
+/// logged as the client's request: a 100-byte write was logged as a read of 512 bytes at
+/// another offset (review, session 67).
+#[test]
+fn a_failed_unaligned_direct_request_is_logged_as_the_client_sent_it() {
+    if !have("losetup") || !have("nbdsh") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let backing = sparse_file(&dir.path().join("backing.img"), 64);
+    let out = run_stdout(
+        Command::new("losetup")
+            .args(["--direct-io=on", "-f", "--show"])
+            .arg(&backing),
+    );
+    let device = LoopDevice(PathBuf::from(out.trim()));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&backing)
+        .unwrap()
+        .set_len(32 << 20)
+        .unwrap();
+    let server = Server::start(&["--cache=none", device.0.to_str().unwrap()]);
+    let said = python(
+        "import nbd, sys\n\
+         h = nbd.NBD()\n\
+         h.connect_uri(sys.argv[1])\n\
+         for name, call in (('write', lambda: h.pwrite(b'x' * 100, (48 << 20) + 7)),\n\
+         \x20                  ('read', lambda: h.pread(100, (40 << 20) + 7))):\n\
+         \x20   try:\n\
+         \x20       call()\n\
+         \x20       print(name, 'ok')\n\
+         \x20   except nbd.Error as e:\n\
+         \x20       print(name, 'EIO' if '(EIO)' in str(e) else e)\n",
+        &[&server.uri()],
+    );
+    assert_eq!(said, "write EIO\nread EIO\n");
+    let log = server.stderr();
+    assert!(
+        log.contains("write (read-modify-write) of 100 bytes at offset 50331655"),
+        "{log}"
+    );
+    assert!(log.contains("read of 100 bytes at offset 41943047"), "{log}");
+}
+
 /// A loop device exported in each cache mode: its size, and writes, zeroing and discards
 /// that reach its bytes, whether or not they line up with its 512-byte blocks (a device's
 /// `fallocate` takes whole blocks only; the ends of an unaligned range are written).

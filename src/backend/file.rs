@@ -1038,7 +1038,8 @@ impl Backend for FileBackend {
             let (start, end) = self.covering(offset, length as u64);
             let blocks = self
                 .read_into(start, Buffer::take((end - start) as usize))
-                .await?;
+                .await
+                .map_err(|e| e.of_request("read", offset, length as u64))?;
             let head = (offset - start) as usize;
             let data = blocks.share().slice(head, length);
             Ok(ReadData {
@@ -1118,7 +1119,10 @@ impl Backend for FileBackend {
                 let _held = self.lock_shared(offset, length).await;
                 self.write_blocks(offset, data).await?;
             } else {
-                self.read_modify_write(offset, data).await?;
+                // Its errors are said of the client's request, not of the blocks around it.
+                self.read_modify_write(offset, data)
+                    .await
+                    .map_err(|e| e.of_request("write (read-modify-write)", offset, length))?;
             }
             if fua {
                 return self.after_change("write", offset, length, true).await;

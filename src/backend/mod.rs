@@ -133,6 +133,18 @@ pub struct BackendError {
 }
 
 impl BackendError {
+    /// The same error, said of the client's request `op` of `length` bytes at `offset`
+    /// (where the backend worked on a wider range: the blocks around an unaligned direct
+    /// request), so the log names what the client sent.
+    pub fn of_request(self, op: &'static str, offset: u64, length: u64) -> BackendError {
+        BackendError {
+            op,
+            offset,
+            length,
+            ..self
+        }
+    }
+
     /// An error caused by an operating-system call.
     pub fn io(op: &'static str, offset: u64, length: u64, source: std::io::Error) -> BackendError {
         BackendError {

@@ -696,6 +696,34 @@ def system_congestion():
 
 CONGESTION_SYSCTL = "/proc/sys/net/ipv4/tcp_congestion_control"
 CONGESTION_NOTE = ""
+# Held by a benchmark run for its whole length (see `one_run_at_a_time`).
+BENCH_LOCK = os.environ.get("NETBLK_BENCH_LOCK", "/tmp/netblk-bench.lock")
+
+
+@contextlib.contextmanager
+def one_run_at_a_time(what):
+    """Holds the machine's benchmark lock (an flock on BENCH_LOCK) for the block, or exits
+    at once saying which run holds it. Two runs at once measure each other's load, and each
+    restored the congestion-control setting the other had changed, early (review, session
+    66). bench.py, ab.py, flush.py and replication.py take it."""
+    import fcntl
+    f = open(BENCH_LOCK, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another run"
+        f.close()
+        sys.exit(f"{what}: another benchmark is running ({holder}; lock {BENCH_LOCK}): "
+                 "run one at a time")
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(f"{what}, pid {os.getpid()}")
+        f.flush()
+        yield
+    finally:
+        f.close()
 
 
 @contextlib.contextmanager
@@ -708,6 +736,12 @@ def same_congestion(algorithm="cubic"):
     credited netblk with the algorithm's gain: nbdkit's 256 KiB reads ran at 1.4–2.2 GB/s on
     bbr and 2.3–4.1 on cubic (review, session 66). Yields what the run used, and a note when
     it could not be set (not root)."""
+    with one_run_at_a_time(os.path.basename(sys.argv[0]) or "bench"):
+        yield from _same_congestion(algorithm)
+
+
+def _same_congestion(algorithm):
+    """`same_congestion`, under the benchmark lock."""
     global CONGESTION_NOTE
     before = system_congestion()
     changed = False
@@ -727,8 +761,8 @@ def same_congestion(algorithm="cubic"):
                        f"sets {algorithm} on its own sockets (`--tcp-congestion`), the other servers run on {before}.")
     # SIGINT raises KeyboardInterrupt; SIGTERM and SIGHUP (a closed terminal or ssh session)
     # would end the process without `finally`, and leave the machine on the changed setting
-    # (re-review, session 66). Two runs at once would still restore each other's setting
-    # early: run one at a time.
+    # (re-review, session 66). Two runs at once would restore each other's setting early:
+    # the benchmark lock keeps them apart.
     caught = (signal.SIGTERM, signal.SIGHUP)
     previous = {sig: signal.getsignal(sig) for sig in caught}
     if changed:

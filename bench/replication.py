@@ -37,6 +37,7 @@ import tempfile
 import time
 from datetime import datetime
 
+import bench
 from sections import write_section
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -106,6 +107,23 @@ def parse_rate(rate):
 def remove_namespaces():
     for ns in NS:
         sh(["ip", "netns", "del", ns], check=False)
+
+
+def remove_stale_namespaces():
+    """Deletes the namespaces a run that died without its cleanup (SIGKILL, a crash) left:
+    those named after a PID that is no longer running (review, session 66: they piled up)."""
+    listed = sh(["ip", "netns", "list"], check=False).stdout
+    for name in re.findall(r"^(nbr[AB](\d+))\b", listed, flags=re.M):
+        ns, pid = name[0], int(name[1])
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            log(f"deleting namespace {ns}, left by a run (pid {pid}) that is gone")
+            sh(["ip", "netns", "del", ns], check=False)
+        except PermissionError:
+            pass
 
 
 def tcp_counters(ns):
@@ -521,6 +539,13 @@ def main():
                      "iproute2 postgresql e2fsprogs util-linux")
     if not os.path.exists(NETBLK):
         sh(["cargo", "build", "--release"], cwd=ROOT)
+    with bench.one_run_at_a_time("replication.py"):
+        remove_stale_namespaces()
+        run(args)
+
+
+def run(args):
+    """Measures, and writes the report (or prints it with --no-write)."""
     quick = args.quick
     rounds = args.rounds or (1 if quick else 3)
     fua_count = 2000 if quick else 20000

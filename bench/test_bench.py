@@ -347,5 +347,27 @@ class AbExtraRounds(unittest.TestCase):
         self.assertEqual(self.measure([0.5], extra_rounds=0)[0], 0)
 
 
+
+
+class OneRunAtATime(unittest.TestCase):
+    """Two benchmark runs at once measured each other and restored each other's congestion
+    control early (review, session 66): the second now stops at once, naming the first."""
+
+    def test_a_second_run_is_refused_while_the_first_holds_the_lock(self):
+        with tempfile.TemporaryDirectory() as scratch:
+            saved = bench.BENCH_LOCK
+            bench.BENCH_LOCK = os.path.join(scratch, "lock")
+            try:
+                with bench.one_run_at_a_time("first"):
+                    with self.assertRaises(SystemExit) as refused:
+                        with bench.one_run_at_a_time("second"):
+                            self.fail("two runs held the lock")
+                    self.assertIn("another benchmark is running (first, pid", str(refused.exception))
+                # Released: the next run goes ahead.
+                with bench.one_run_at_a_time("third"):
+                    pass
+            finally:
+                bench.BENCH_LOCK = saved
+
 if __name__ == "__main__":
     unittest.main()

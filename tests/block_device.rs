@@ -435,7 +435,10 @@ fn a_failed_unaligned_direct_request_is_logged_as_the_client_sent_it() {
         log.contains("write (read-modify-write) of 100 bytes at offset 50331655"),
         "{log}"
     );
-    assert!(log.contains("read of 100 bytes at offset 41943047"), "{log}");
+    assert!(
+        log.contains("read of 100 bytes at offset 41943047"),
+        "{log}"
+    );
 }
 
 /// A loop device exported in each cache mode: its size, and writes, zeroing and discards

@@ -1268,9 +1268,29 @@ impl Shared {
         self.stopping.store(true, Ordering::Release);
     }
 
-    /// Closes the metadata cleanly (bitmap written, clean flag set).
+    /// Closes the metadata cleanly (bitmap written, clean flag set). A secondary first
+    /// marks the extents in its activity log out of sync with every peer: they hold writes
+    /// of its primary that no barrier has covered, which may have reached this node and
+    /// not another. When the link to the primary ends the marking is done too, but not
+    /// when this node is stopping, and a primary that vanished (no FIN, no reset) is not
+    /// noticed before the stop: a clean close then kept no record of those extents, a
+    /// write that reached only this node stayed only here, and two nodes later linked as
+    /// in sync while one block differed (review, session 67, three nodes).
     pub fn close(&self) {
-        if let Err(e) = self.meta().set_clean(true) {
+        let mut meta = self.meta();
+        if !self.is_primary() {
+            let logged = meta.logged_extents().to_vec();
+            for &extent in &logged {
+                meta.mark_out_of_sync_for_all(extent * EXTENT_SIZE, EXTENT_SIZE);
+            }
+            if !logged.is_empty() {
+                info!(
+                    "{} extents of the primary's last writes marked for resync with every node",
+                    logged.len()
+                );
+            }
+        }
+        if let Err(e) = meta.set_clean(true) {
             warn!("closing metadata: {e}");
         }
     }

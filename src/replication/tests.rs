@@ -783,6 +783,41 @@ async fn a_slow_resync_shows_its_progress_before_its_first_barrier() {
     let _ = pair.stop.send(true);
 }
 
+/// A secondary's clean close marks the extents of its primary's writes that no barrier
+/// covered, for every peer: a write that reached it and not the other secondary (the
+/// primary vanished mid-write, and this node stopped before noticing) must be resynced
+/// when one of the two is promoted. A clean close kept no record, and the two later
+/// linked as in sync with one block different (review, session 67).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secondarys_clean_close_keeps_its_unbarriered_extents_in_doubt() {
+    let trio = cluster(
+        "C",
+        3,
+        Arc::new(MemoryBackend::new(SIZE, false)),
+        "1G",
+        3,
+        None,
+    )
+    .await;
+    let backend = trio.primary_backend();
+    backend
+        .write(5 << 20, pattern(3, 4096).into(), false)
+        .await
+        .unwrap();
+    let beta = &trio.secondaries[0];
+    assert!(!beta.meta().logged_extents().is_empty(), "no barrier yet");
+    assert_eq!(beta.status().out_of_sync_bytes, 0);
+    beta.stop();
+    beta.close();
+    let status = beta.status();
+    assert_eq!(status.out_of_sync_bytes, 4 << 20, "{status:?}");
+    assert!(
+        status.peers.iter().all(|p| p.out_of_sync_bytes == 4 << 20),
+        "{status:?}"
+    );
+    let _ = trio.stop.send(true);
+}
+
 /// A pass that sent every run but whose final flush failed on the target is shown
 /// stopped, not done: its bits stay set, and the data may not be on the target's disk
 /// (review, session 66: status said "done" from the runs sent).

@@ -3,9 +3,10 @@
 //! copied into the page cache on the calling thread, cached reads of a page or more are
 //! copied into the client's socket by the kernel straight from a mapping of the file
 //! ([`super::mapping`]) unless large ones are spliced into it without a copy
-//! ([`super::splice`]), and other reads are tried on the calling thread first. With `--cache=none` the file is opened `O_DIRECT` and requests that do not cover
-//! whole blocks are read-modify-written under a range lock ([`super::range_lock`]). TRIM
-//! punches holes (on a device: `BLKDISCARD`), WRITE_ZEROES uses `fallocate`, block status comes from
+//! ([`super::splice`]), and other reads are tried on the calling thread first. With
+//! `--cache=none` the file is opened `O_DIRECT` and requests that do not cover whole blocks
+//! are read-modify-written under a range lock ([`super::range_lock`]). TRIM punches holes
+//! (on a device: `BLKDISCARD`), WRITE_ZEROES uses `fallocate`, block status comes from
 //! `SEEK_DATA`/`SEEK_HOLE`, page-cache FUA writes use `RWF_DSYNC` (direct ones a write and a
 //! sync), and FLUSH syncs only when a write completed since the last sync, answering only
 //! once the syncs beside it ended ([`SyncsInFlight`]; and fails for good once a sync
@@ -930,8 +931,6 @@ fn read_without_blocking(file: &File, offset: u64, length: usize) -> Option<Buff
     }
 }
 
-/// Where a direct-I/O file wants its offsets and memory aligned: what `statx` reports, else
-/// the device's logical block size, else a page (always safe).
 /// A number from the sysfs directory of block device `device` (`/sys/dev/block/M:m/NAME`).
 fn device_attribute(device: u64, name: &str) -> Option<u64> {
     let (major, minor) = (rustix::fs::major(device), rustix::fs::minor(device));
@@ -969,6 +968,8 @@ fn discard(file: &File, offset: u64, length: u64) -> rustix::io::Result<()> {
     }
 }
 
+/// Where a direct-I/O file wants its offsets and memory aligned: what `statx` reports, else
+/// the device's logical block size, else a page (always safe).
 fn direct_io_alignment(file: &File, block_device: bool) -> (u64, usize) {
     if let Ok(stat) = rustix::fs::statx(
         file,

@@ -175,6 +175,27 @@ pub struct Metadata {
 /// `serve --node alpha` marked its hot extents, took the primary role and wrote a newer
 /// superblock before it failed on the taken port, and the running node's clean close was
 /// lost).
+/// The `op` of the error [`Metadata::create`] returns when the file appeared meanwhile.
+const NAMING: &str = "naming";
+
+/// Gives the complete file at `temporary` the name `path`, unless `path` exists (then
+/// AlreadyExists, with `op` [`NAMING`]): `renameat2(RENAME_NOREPLACE)`, or on a file system
+/// without it (NFS: EINVAL) a hard link and an unlink, which are as atomic.
+fn name_without_replacing(temporary: &Path, path: &Path) -> Result<(), MetaError> {
+    use rustix::fs::{renameat_with, RenameFlags, CWD};
+    match renameat_with(CWD, temporary, CWD, path, RenameFlags::NOREPLACE) {
+        Ok(()) => Ok(()),
+        Err(rustix::io::Errno::INVAL | rustix::io::Errno::NOSYS) => name_by_link(temporary, path),
+        Err(e) => Err(io_err(path, NAMING)(e.into())),
+    }
+}
+
+/// [`name_without_replacing`] by a hard link and an unlink.
+fn name_by_link(temporary: &Path, path: &Path) -> Result<(), MetaError> {
+    std::fs::hard_link(temporary, path).map_err(io_err(path, NAMING))?;
+    std::fs::remove_file(temporary).map_err(io_err(temporary, "removing"))
+}
+
 fn lock_exclusively(file: &File, path: &Path) -> Result<(), MetaError> {
     use rustix::fs::{flock, FlockOperation};
     match flock(file, FlockOperation::NonBlockingLockExclusive) {
@@ -204,13 +225,11 @@ impl Metadata {
             Metadata::open(path)?
         } else {
             match Metadata::create(path, node, resource, peers, size) {
-                // Another start created it meanwhile: open it (it is locked while that
-                // node runs).
-                Err(MetaError::Io { source, .. })
-                    if source.kind() == std::io::ErrorKind::AlreadyExists =>
-                {
-                    Metadata::open(path)?
-                }
+                // Another start created it meanwhile (naming it failed: it exists): open
+                // it (it is locked while that node runs).
+                Err(MetaError::Io {
+                    op: NAMING, source, ..
+                }) if source.kind() == std::io::ErrorKind::AlreadyExists => Metadata::open(path)?,
                 created => created?,
             }
         };
@@ -257,14 +276,12 @@ impl Metadata {
         let mut temporary = path.as_os_str().to_owned();
         temporary.push(format!(".creating.{}", std::process::id()));
         let temporary = std::path::PathBuf::from(temporary);
-        let created = Metadata::create_at(&temporary, path, node, resource, peers, size).and_then(
-            |metadata| {
-                use rustix::fs::{renameat_with, RenameFlags, CWD};
-                renameat_with(CWD, &temporary, CWD, path, RenameFlags::NOREPLACE)
-                    .map_err(|e| io_err(path, "naming")(e.into()))?;
-                Ok(metadata)
-            },
-        );
+        // A start with this PID that crashed mid-create left it (a PID 1 in a container
+        // has the same PID every time): unlinking it never touches the real file, even
+        // when a crash between `link` and `unlink` below left the two linked.
+        let _ = std::fs::remove_file(&temporary);
+        let created = Metadata::create_at(&temporary, path, node, resource, peers, size)
+            .and_then(|metadata| name_without_replacing(&temporary, path).map(|()| metadata));
         let metadata = match created {
             Ok(metadata) => metadata,
             Err(e) => {
@@ -1240,12 +1257,12 @@ mod tests {
             .unwrap();
     }
 
-    /// Fresh metadata appears under its name only complete (written under a temporary
-    /// name, then renamed): a crash in the middle left an empty file there that every
-    /// later start refused (review, session 66). A create over an existing file changes
-    /// nothing and leaves no temporary file behind.
+    /// Fresh metadata is written under a temporary name and then named (so that a crash in
+    /// the middle cannot leave an empty file under the real name, which every later start
+    /// refused: review, session 66); only the real name is left. A create over an existing
+    /// file changes nothing and leaves no temporary file behind.
     #[test]
-    fn fresh_metadata_appears_under_its_name_only_complete() {
+    fn fresh_metadata_leaves_only_its_name_and_never_replaces_a_file() {
         let dir = tempfile::tempdir().unwrap();
         let (path, metadata) = fresh(&dir);
         let names = |dir: &tempfile::TempDir| {
@@ -1269,6 +1286,43 @@ mod tests {
         drop(metadata);
         let reopened = Metadata::open(&path).unwrap();
         assert_eq!(reopened.superblock().node, "alpha");
+    }
+
+    /// A temporary file a crashed create left under this process's name (a PID 1 in a
+    /// container has the same PID every start) does not stop the next create: it failed
+    /// with a misleading "No such file or directory" once (re-review, session 67).
+    #[test]
+    fn a_leftover_temporary_file_does_not_stop_a_create() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("node.meta");
+        let leftover = dir
+            .path()
+            .join(format!("node.meta.creating.{}", std::process::id()));
+        std::fs::write(&leftover, b"half written").unwrap();
+        let metadata = Metadata::open_or_create(&path, "alpha", "r0", &peers(), SIZE).unwrap();
+        assert_eq!(metadata.superblock().node, "alpha");
+        assert!(!leftover.exists());
+    }
+
+    /// On a file system without `RENAME_NOREPLACE` the file is named by a link and an
+    /// unlink, which refuse an existing name just as well.
+    #[test]
+    fn naming_by_link_never_replaces_a_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let (from, to) = (dir.path().join("from"), dir.path().join("to"));
+        std::fs::write(&from, b"new").unwrap();
+        std::fs::write(&to, b"old").unwrap();
+        match name_by_link(&from, &to) {
+            Err(MetaError::Io {
+                op: NAMING, source, ..
+            }) if source.kind() == std::io::ErrorKind::AlreadyExists => {}
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(std::fs::read(&to).unwrap(), b"old");
+        std::fs::remove_file(&to).unwrap();
+        name_by_link(&from, &to).unwrap();
+        assert_eq!(std::fs::read(&to).unwrap(), b"new");
+        assert!(!from.exists());
     }
 
     /// A second open of metadata in use is refused before it reads or writes anything, and

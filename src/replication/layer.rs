@@ -231,6 +231,8 @@ impl Shared {
 
     /// Records that an operator chose the role (`netblk promote` or `netblk demote`).
     pub fn note_role_command(&self) {
+        // Under the metadata lock: see `promote_unless_commanded`.
+        let _meta = self.meta();
         self.role_commanded.store(true, Ordering::Release);
     }
 
@@ -262,7 +264,24 @@ impl Shared {
     /// just-created node gets its first real generation. Answers whether the role changed
     /// (false: it was primary already, and nothing is done).
     pub fn promote(&self, force: bool) -> Result<bool, String> {
+        self.promote_checked(force, false)
+    }
+
+    /// `--primary`'s promotion: [`Self::promote`] without force, unless an operator chose
+    /// the role meanwhile (then `Ok(false)`, and nothing is done). Checked under the
+    /// metadata lock, which [`Self::note_role_command`] takes too: a demote either comes
+    /// first and is kept, or comes after the promotion and undoes it whole (re-review,
+    /// session 67: between a check outside the lock and the promotion, a demote could
+    /// leave the node primary with metadata saying secondary).
+    pub fn promote_unless_commanded(&self) -> Result<bool, String> {
+        self.promote_checked(false, true)
+    }
+
+    fn promote_checked(&self, force: bool, unless_commanded: bool) -> Result<bool, String> {
         let mut meta = self.meta();
+        if unless_commanded && self.role_commanded() {
+            return Ok(false);
+        }
         let sb = meta.superblock().clone();
         if self.is_primary() {
             return Ok(false);

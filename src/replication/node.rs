@@ -252,13 +252,12 @@ async fn take_primary_role(shared: &Shared) {
     while !all_connected() && !shared.role_commanded() && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    if shared.role_commanded() {
-        info!("--primary: an operator's promote or demote came first; it decides the role");
-        return;
-    }
-    match shared.promote(false) {
+    match shared.promote_unless_commanded() {
         // Links made with this node as a secondary are redone with the new role.
         Ok(true) => shared.announce_primary_and_reconnect(),
+        Ok(false) if shared.role_commanded() => {
+            info!("--primary: an operator's promote or demote came first; it decides the role");
+        }
         Ok(false) => {}
         Err(e) => tracing::error!("--primary refused: {e}; this node stays secondary"),
     }

@@ -661,6 +661,19 @@ async fn a_failed_metadata_write_stops_writes_and_status_says_so() {
     let _ = pair.stop.send(true);
 }
 
+/// `--primary`'s promotion yields to an operator's role command, checked under the
+/// metadata lock that the command takes too (re-review, session 67).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_primary_flags_promotion_yields_to_an_operators_command() {
+    let pair = pair("C", Arc::new(MemoryBackend::new(SIZE, false))).await;
+    let secondary = &pair.secondary;
+    secondary.note_role_command();
+    assert_eq!(secondary.promote_unless_commanded(), Ok(false));
+    assert!(!secondary.is_primary());
+    assert!(!secondary.meta().superblock().primary);
+    let _ = pair.stop.send(true);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_secondary_refuses_client_writes_and_exports_read_only() {
     let pair = pair("C", Arc::new(MemoryBackend::new(SIZE, false))).await;

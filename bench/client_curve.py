@@ -131,4 +131,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    with bench.one_run_at_a_time("client_curve.py"):
+        main()

@@ -4,7 +4,7 @@
 # reads under POSIX_FADV_RANDOM (order-0 folios); netblk and nbdkit's file plugin alternating;
 # IOPS and the server's CPU per write (utime+stime from /proc over its life). Shows that the
 # page cache's cost per write (ext4 walks every buffer head of a folio) sets the file rows'
-# write CPU. Root not needed; one benchmark at a time (the machine's CPUs are shared).
+# write CPU. Root not needed; it holds the benchmark lock, as bench.py does.
 #
 #   bench/page_cache_folios.sh [IMAGE] [ROUNDS]      # IMAGE: 512 MiB scratch file, made if absent
 set -euo pipefail
@@ -14,6 +14,10 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 NETBLK=${NETBLK_BIN:-${CARGO_TARGET_DIR:-$HERE/../target}/release/netblk}
 PORT=${PORT:-$(/usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
 RUNTIME=5
+# One benchmark at a time (bench.py's lock; see bench/README.md).
+LOCK=${NETBLK_BENCH_LOCK:-/tmp/netblk-bench.lock}
+{ exec 9<>"$LOCK"; } 2>/dev/null || exec 9<"$LOCK"
+flock -n 9 || { echo "another benchmark is running ($(cat "$LOCK"); lock $LOCK): run one at a time" >&2; exit 1; }
 REPORT=$(mktemp)
 pid=
 trap 'rm -f "$REPORT"; [ -z "$pid" ] || kill $pid 2>/dev/null' EXIT

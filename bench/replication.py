@@ -111,7 +111,8 @@ def remove_namespaces():
 
 def remove_stale_namespaces():
     """Deletes the namespaces a run that died without its cleanup (SIGKILL, a crash) left:
-    those named after a PID that is no longer running (review, session 66: they piled up)."""
+    those named after a PID that is no longer running (review, session 66: they piled up),
+    with what still runs in them."""
     listed = sh(["ip", "netns", "list"], check=False).stdout
     for name in re.findall(r"^(nbr[AB](\d+))\b", listed, flags=re.M):
         ns, pid = name[0], int(name[1])
@@ -120,7 +121,17 @@ def remove_stale_namespaces():
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            log(f"deleting namespace {ns}, left by a run (pid {pid}) that is gone")
+            # The servers, iperf3 and postgres that run started inside it outlived it (a
+            # killed parent does not take them along) and would keep the namespace, its
+            # veth and their files alive (re-review, session 67).
+            left = sh(["ip", "netns", "pids", ns], check=False).stdout.split()
+            log(f"deleting namespace {ns}, left by a run (pid {pid}) that is gone, "
+                f"and the {len(left)} processes still in it")
+            for orphan in left:
+                try:
+                    os.kill(int(orphan), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
             sh(["ip", "netns", "del", ns], check=False)
         except PermissionError:
             pass

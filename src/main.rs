@@ -599,11 +599,12 @@ fn watch_resync(target: &ControlTarget) -> anyhow::Result<()> {
             for peer in &running {
                 writeln!(
                     std::io::stdout(),
-                    "{}: resync {}/{} bytes at {:.1} MiB/s, ETA {}",
+                    "{}: resync {}/{} bytes compared at {:.1} MiB/s, sent at {:.1} MiB/s, ETA {}",
                     peer.name,
                     peer.resync_done_bytes,
                     peer.resync_total_bytes,
-                    peer.resync_rate_bytes_per_sec as f64 / f64::from(1 << 20),
+                    control::mib(peer.resync_rate_bytes_per_sec),
+                    control::mib(peer.resync_sent_rate_bytes_per_sec),
                     peer.resync_eta_seconds
                         .map_or("unknown".into(), |s| format!("{s} s"))
                 )?;

@@ -58,9 +58,14 @@ pub struct PeerStatus {
     pub resync_sent_bytes: u64,
     /// Bytes this peer misses (its own bitmap).
     pub out_of_sync_bytes: u64,
-    /// Bytes per second of the current (or last) resync pass, over the whole pass.
+    /// Bytes per second of the current (or last) resync pass, over the whole pass: bytes
+    /// compared (sent or found equal), which sets the ETA.
     #[serde(default)]
     pub resync_rate_bytes_per_sec: u64,
+    /// Bytes per second the pass sent (those that differed): what the resource's
+    /// `resync_rate` limits.
+    #[serde(default)]
+    pub resync_sent_rate_bytes_per_sec: u64,
     /// Seconds the current pass still needs at that rate (`None` when none runs).
     #[serde(default)]
     pub resync_eta_seconds: Option<u64>,
@@ -111,15 +116,16 @@ impl Shared {
                 let total = slot.resync_total.load(Ordering::Relaxed) * REGION_SIZE;
                 let clock = *slot.resync_clock.lock().unwrap_or_else(|e| e.into_inner());
                 let running = conn.is_some() && matches!(clock, Some((_, None)));
-                let (rate, eta) = match clock {
+                let sent = slot.resync_sent.load(Ordering::Relaxed);
+                let (rate, sent_rate, eta) = match clock {
                     Some((start, end)) => {
                         let end = end.unwrap_or_else(std::time::Instant::now);
                         let seconds = end.duration_since(start).as_secs_f64().max(1e-3);
                         let rate = (done as f64 / seconds) as u64;
                         let eta = (done < total && rate > 0).then(|| (total - done).div_ceil(rate));
-                        (rate, eta)
+                        (rate, (sent as f64 / seconds) as u64, eta)
                     }
-                    None => (0, None),
+                    None => (0, 0, None),
                 };
                 let link = match conn.as_ref().map(|c| c.plan) {
                     None => "disconnected",
@@ -136,9 +142,10 @@ impl Shared {
                         .is_some_and(|c| c.replicating.load(Ordering::Acquire)),
                     resync_done_bytes: done,
                     resync_total_bytes: total,
-                    resync_sent_bytes: slot.resync_sent.load(Ordering::Relaxed),
+                    resync_sent_bytes: sent,
                     out_of_sync_bytes: per_peer[slot.index],
                     resync_rate_bytes_per_sec: rate,
+                    resync_sent_rate_bytes_per_sec: sent_rate,
                     resync_eta_seconds: running.then_some(eta).flatten(),
                     resync_running: running,
                     resync_finished: slot.resync_finished.load(Ordering::Acquire),
@@ -348,6 +355,11 @@ pub async fn run_control(
 }
 
 /// A human-readable rendering of a status.
+/// Bytes per second in MiB/s, the unit of the resource's `resync_rate`.
+pub fn mib(bytes_per_second: u64) -> f64 {
+    bytes_per_second as f64 / f64::from(1 << 20)
+}
+
 pub fn render(status: &Status) -> String {
     let mut text = format!(
         "resource {} node {}: {}, disk {}, generation {}, {} bytes out of sync\n",
@@ -382,11 +394,13 @@ pub fn render(status: &Status) -> String {
         }
         if peer.resync_total_bytes > 0 {
             text.push_str(&format!(
-                ", resync {}/{} bytes ({} sent, the rest equal) at {:.1} MiB/s",
+                ", resync {}/{} bytes ({} sent, the rest equal), compared at {:.1} MiB/s, \
+                 sent at {:.1} MiB/s",
                 peer.resync_done_bytes,
                 peer.resync_total_bytes,
                 peer.resync_sent_bytes,
-                peer.resync_rate_bytes_per_sec as f64 / f64::from(1 << 20)
+                mib(peer.resync_rate_bytes_per_sec),
+                mib(peer.resync_sent_rate_bytes_per_sec)
             ));
             match peer.resync_eta_seconds {
                 Some(eta) if peer.resyncing() => text.push_str(&format!(", ETA {eta} s")),

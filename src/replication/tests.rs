@@ -768,6 +768,14 @@ async fn the_first_full_resync_sends_only_differing_regions_at_the_configured_ra
     assert_eq!(status.peers[0].resync_total_bytes, SIZE);
     assert_eq!(status.peers[0].resync_sent_bytes, 2 << 20);
     assert!(status.peers[0].resync_finished, "{status:?}");
+    // The rate the limit applies to is the sent one (re-review, session 67: status showed
+    // only the compare rate, 1,251 MiB/s for a pass limited to 1 MiB/s).
+    let sent_rate = status.peers[0].resync_sent_rate_bytes_per_sec;
+    assert!(sent_rate > 0 && sent_rate <= 5 << 20, "{status:?}");
+    assert!(
+        status.peers[0].resync_rate_bytes_per_sec > sent_rate,
+        "{status:?}"
+    );
     assert_eq!(status.out_of_sync_bytes, 0);
     let _ = pair.stop.send(true);
 }

@@ -35,7 +35,7 @@ use tracing::{error, info, warn, Instrument};
 use self::clients::{ClientSlot, Clients};
 use crate::backend::uring::LoneThread;
 use crate::backend::Backend;
-use crate::log_limit::{warn_limited, REFUSED_CONNECTIONS};
+use crate::log_limit::{warn_limited, FAILED_HANDSHAKES, REFUSED_CONNECTIONS};
 use crate::tcp::TcpSettings;
 
 /// One exported device.
@@ -764,14 +764,15 @@ async fn negotiate<S: Stream>(
     };
     match negotiated {
         Err(_) => {
-            warn!(
+            warn_limited!(
+                FAILED_HANDSHAKES,
                 "handshake not finished within {:?}: closing",
                 config.handshake_timeout
             );
             None
         }
         Ok(Err(end)) if end.is_violation() => {
-            warn!("closing during handshake: {end}");
+            warn_limited!(FAILED_HANDSHAKES, "closing during handshake: {end}");
             None
         }
         Ok(Err(end)) => {

@@ -11,7 +11,9 @@
 //! `--max-connections` (default 128) bounds how many they are: 5 GiB in all by default.
 //!
 //! A connection refused more waits on its own replies: it holds something, so its own
-//! progress wakes it to try again.
+//! progress wakes it to try again. The last [`FIRST_CHUNK_RESERVE`] of the shared budget
+//! goes only to connections taking their first chunk, so those holding a lot cannot leave
+//! a small client with one request in flight.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -19,6 +21,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 pub const SERVER_BYTE_BUDGET: u64 = 1 << 30;
 /// The unit in which a connection takes from and gives back to the shared budget.
 pub const CHUNK: u64 = 8 << 20;
+/// The part of the shared budget only a connection's first chunk may take: connections
+/// that hold a lot (slow readers of large replies) cannot spend it, so a client with
+/// small requests still gets more than one in flight beside them (soak review, session
+/// 67: beside 8 connections that queued 32 MiB reads and never read, a 4 KiB reader at
+/// QD8 was held to one request at a time).
+pub const FIRST_CHUNK_RESERVE: u64 = 8 * CHUNK;
 
 /// The bytes taken from the shared budget by all connections.
 static SERVER_TAKEN: AtomicU64 = AtomicU64::new(0);
@@ -28,21 +36,25 @@ pub struct BudgetShare {
     taken: u64,
     pool: &'static AtomicU64,
     limit: u64,
+    /// The last part of `limit` only a first chunk may take.
+    reserve: u64,
 }
 
 impl Default for BudgetShare {
     fn default() -> BudgetShare {
-        BudgetShare::of(&SERVER_TAKEN, SERVER_BYTE_BUDGET)
+        BudgetShare::of(&SERVER_TAKEN, SERVER_BYTE_BUDGET, FIRST_CHUNK_RESERVE)
     }
 }
 
 impl BudgetShare {
-    /// A share of `pool` (bytes taken by all), which may not pass `limit`.
-    fn of(pool: &'static AtomicU64, limit: u64) -> BudgetShare {
+    /// A share of `pool` (bytes taken by all), which may not pass `limit`, nor `limit -
+    /// reserve` but for a first chunk.
+    fn of(pool: &'static AtomicU64, limit: u64, reserve: u64) -> BudgetShare {
         BudgetShare {
             taken: 0,
             pool,
             limit,
+            reserve,
         }
     }
 
@@ -55,8 +67,13 @@ impl BudgetShare {
             return true;
         }
         let want = (held + 1 - self.taken).div_ceil(CHUNK) * CHUNK;
+        let limit = if self.taken == 0 && want == CHUNK {
+            self.limit
+        } else {
+            self.limit.saturating_sub(self.reserve)
+        };
         let before = self.pool.fetch_add(want, Ordering::AcqRel);
-        if before + want > self.limit {
+        if before + want > limit {
             self.pool.fetch_sub(want, Ordering::AcqRel);
             return false;
         }
@@ -88,8 +105,8 @@ mod tests {
     fn connections_share_the_pool_and_one_holding_nothing_is_never_refused() {
         static POOL: AtomicU64 = AtomicU64::new(0);
         let limit = 3 * CHUNK;
-        let mut first = BudgetShare::of(&POOL, limit);
-        let mut second = BudgetShare::of(&POOL, limit);
+        let mut first = BudgetShare::of(&POOL, limit, 0);
+        let mut second = BudgetShare::of(&POOL, limit, 0);
         // Holding nothing, a request is admitted without the pool.
         assert!(first.may_admit(0));
         assert_eq!(POOL.load(Ordering::Acquire), 0);
@@ -101,7 +118,7 @@ mod tests {
         assert!(!second.may_admit(CHUNK), "the pool is spent");
         assert!(!first.may_admit(2 * CHUNK));
         // A connection the pool refuses still admits when it holds nothing.
-        let mut third = BudgetShare::of(&POOL, limit);
+        let mut third = BudgetShare::of(&POOL, limit, 0);
         assert!(third.may_admit(0));
         // One far past what it covered is covered whole at the next call, or refused.
         assert!(!third.may_admit(4 * CHUNK), "more than the pool holds");
@@ -113,6 +130,36 @@ mod tests {
         drop(first);
         drop(second);
         drop(third);
+        assert_eq!(POOL.load(Ordering::Acquire), 0);
+    }
+
+    #[test]
+    fn the_reserve_goes_only_to_first_chunks() {
+        static POOL: AtomicU64 = AtomicU64::new(0);
+        let (limit, reserve) = (6 * CHUNK, 2 * CHUNK);
+        let mut big = BudgetShare::of(&POOL, limit, reserve);
+        // A connection holding a lot takes the pool up to the reserve, and no further.
+        assert!(big.may_admit(4 * CHUNK - 1));
+        assert_eq!(POOL.load(Ordering::Acquire), 4 * CHUNK);
+        assert!(!big.may_admit(5 * CHUNK - 1), "the reserve is not for it");
+        // Its first chunk still comes out of the reserve for a new one, for two of them.
+        let mut small = BudgetShare::of(&POOL, limit, reserve);
+        let mut other = BudgetShare::of(&POOL, limit, reserve);
+        assert!(small.may_admit(4096));
+        assert!(other.may_admit(4096));
+        // But not a second chunk, nor a first one past the whole pool.
+        assert!(!small.may_admit(CHUNK + 4096));
+        let mut late = BudgetShare::of(&POOL, limit, reserve);
+        assert!(!late.may_admit(4096), "the pool is spent");
+        assert!(
+            late.may_admit(0),
+            "holding nothing, one request is always admitted"
+        );
+        // A first request larger than a chunk is no first chunk: not from the reserve.
+        drop(small);
+        let mut large = BudgetShare::of(&POOL, limit, reserve);
+        assert!(!large.may_admit(2 * CHUNK));
+        drop((big, other, large, late));
         assert_eq!(POOL.load(Ordering::Acquire), 0);
     }
 }

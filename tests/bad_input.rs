@@ -395,6 +395,16 @@ fn rule2_a_flood_of_refused_requests_is_answered_but_barely_logged() {
     assert!(log.contains("suppressed"), "{log}");
 }
 
+/// Connects, reads the greeting, sends client flags and half an option, and resets.
+fn reset_mid_handshake(address: &str) {
+    let mut stream = TcpStream::connect(address).unwrap();
+    let mut greeting = [0u8; 18];
+    stream.read_exact(&mut greeting).unwrap();
+    stream.write_all(&3u32.to_be_bytes()).unwrap();
+    stream.write_all(b"IHAVEOPT\0\0").unwrap();
+    rustix::net::sockopt::set_socket_linger(&stream, Some(Duration::ZERO)).unwrap();
+}
+
 /// Rule 2, continued: clients that reset their connection in the middle of the handshake,
 /// in a loop, are barely logged either: 5,000 such clients wrote 5,000 warnings in 0.8 s
 /// (review, session 67).
@@ -403,25 +413,11 @@ fn rule2_a_flood_of_broken_handshakes_is_barely_logged() {
     let server = Server::start(&["memory:1M"]);
     let count = 300;
     for _ in 0..count {
-        let mut stream = std::net::TcpStream::connect(server.tcp()).unwrap();
-        // The server's greeting, then a client flags word that promises options, and a
-        // reset in the middle of the first option.
-        let mut greeting = [0u8; 18];
-        stream.read_exact(&mut greeting).unwrap();
-        stream.write_all(&3u32.to_be_bytes()).unwrap();
-        stream.write_all(b"IHAVEOPT\0\0").unwrap();
-        rustix::net::sockopt::set_socket_linger(&stream, Some(Duration::ZERO)).unwrap();
-        drop(stream);
+        reset_mid_handshake(server.tcp());
     }
     // The next window's first warning counts those left out.
     std::thread::sleep(Duration::from_millis(1100));
-    let mut stream = std::net::TcpStream::connect(server.tcp()).unwrap();
-    let mut greeting = [0u8; 18];
-    stream.read_exact(&mut greeting).unwrap();
-    stream.write_all(&3u32.to_be_bytes()).unwrap();
-    stream.write_all(b"IHAVEOPT\0\0").unwrap();
-    rustix::net::sockopt::set_socket_linger(&stream, Some(Duration::ZERO)).unwrap();
-    drop(stream);
+    reset_mid_handshake(server.tcp());
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     while !server.stderr().contains("suppressed") && std::time::Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));

@@ -352,6 +352,25 @@ for cookie, offset in reads:
 print("adjacent", good_failed, bad_ok)
 "#;
 
+/// A 64 MiB direct-I/O loop device whose file was cut to 32 MiB after it was attached:
+/// past 32 MiB it reads past the end of its file, and fails with EIO.
+fn unreadable_past_32_mib(dir: &Path) -> LoopDevice {
+    let backing = sparse_file(&dir.join("backing.img"), 64);
+    let out = run_stdout(
+        Command::new("losetup")
+            .args(["--direct-io=on", "-f", "--show"])
+            .arg(&backing),
+    );
+    let device = LoopDevice(PathBuf::from(out.trim()));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&backing)
+        .unwrap()
+        .set_len(32 << 20)
+        .unwrap();
+    device
+}
+
 /// A device with unreadable sectors (a direct-I/O loop device whose file was cut short
 /// after it was attached): each read of them fails with EIO alone, in page-cache mode too,
 /// where a failed page stays in the page cache unreadable and must not be sent from the
@@ -367,20 +386,7 @@ fn unreadable_sectors_fail_each_read_of_them_and_nothing_else() {
     for cache in ["--cache=writeback", "--cache=none"] {
         for replies in ["structured", "simple"] {
             let dir = tempfile::tempdir().unwrap();
-            let backing = sparse_file(&dir.path().join("backing.img"), 64);
-            let out = run_stdout(
-                Command::new("losetup")
-                    .args(["--direct-io=on", "-f", "--show"])
-                    .arg(&backing),
-            );
-            let device = LoopDevice(PathBuf::from(out.trim()));
-            // Past 32 MiB the device now reads past the end of its file: EIO.
-            std::fs::OpenOptions::new()
-                .write(true)
-                .open(&backing)
-                .unwrap()
-                .set_len(32 << 20)
-                .unwrap();
+            let device = unreadable_past_32_mib(dir.path());
             let server = Server::start(&[cache, device.0.to_str().unwrap()]);
             assert_eq!(
                 python(READ_ERRORS, &[&server.uri(), replies]),
@@ -402,19 +408,7 @@ fn a_failed_unaligned_direct_request_is_logged_as_the_client_sent_it() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let backing = sparse_file(&dir.path().join("backing.img"), 64);
-    let out = run_stdout(
-        Command::new("losetup")
-            .args(["--direct-io=on", "-f", "--show"])
-            .arg(&backing),
-    );
-    let device = LoopDevice(PathBuf::from(out.trim()));
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&backing)
-        .unwrap()
-        .set_len(32 << 20)
-        .unwrap();
+    let device = unreadable_past_32_mib(dir.path());
     let server = Server::start(&["--cache=none", device.0.to_str().unwrap()]);
     let said = python(
         "import nbd, sys\n\

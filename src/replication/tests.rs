@@ -388,6 +388,13 @@ async fn pair_on_a_faulty_disk(protocol: &str) -> (Arc<FaultyDisk>, Pair) {
     (disk, pair)
 }
 
+/// A memory disk of SIZE bytes holding `data` at `offset`, the rest zeroes.
+async fn disk_with(data: Bytes, offset: u64) -> Arc<MemoryBackend> {
+    let disk = Arc::new(MemoryBackend::new(SIZE, false));
+    disk.write(offset, data.into(), false).await.unwrap();
+    disk
+}
+
 /// Whether two disks hold the same bytes in `offset..offset + length`.
 async fn same_bytes(a: &dyn Backend, b: &dyn Backend, offset: u64, length: usize) -> bool {
     let a = a.read(offset, length).await.unwrap().bytes();
@@ -748,11 +755,7 @@ async fn three_nodes_all_hold_every_write_and_secondaries_link_idle() {
 async fn the_first_full_resync_sends_only_differing_regions_at_the_configured_rate() {
     // 2 MiB of the primary differ from the fresh secondary (all zeroes); at 4 MiB/s the
     // resync of those must take about half a second, and the equal 6 MiB cost no data.
-    let local = Arc::new(MemoryBackend::new(SIZE, false));
-    local
-        .write(1 << 20, pattern(5, 2 << 20).into(), false)
-        .await
-        .unwrap();
+    let local = disk_with(pattern(5, 2 << 20), 1 << 20).await;
     let started = std::time::Instant::now();
     let pair = cluster("C", 2, local, "4M", 2, None).await;
     let elapsed = started.elapsed();
@@ -785,11 +788,7 @@ async fn the_first_full_resync_sends_only_differing_regions_at_the_configured_ra
 /// MB/s for the whole pass (review, session 66).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_resync_shows_its_progress_before_its_first_barrier() {
-    let local = Arc::new(MemoryBackend::new(SIZE, false));
-    local
-        .write(0, pattern(6, 4 << 20).into(), false)
-        .await
-        .unwrap();
+    let local = disk_with(pattern(6, 4 << 20), 0).await;
     let pair = cluster_started("C", 2, local, "1M", 2, None).await;
     wait_until("a quarter of the pass is shown done", || {
         let peer = &pair.primary.status().peers[0];
@@ -844,11 +843,7 @@ async fn a_secondarys_clean_close_keeps_its_unbarriered_extents_in_doubt() {
 /// (review, session 66: status said "done" from the runs sent).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pass_whose_final_flush_failed_is_not_shown_done() {
-    let local = Arc::new(MemoryBackend::new(SIZE, false));
-    local
-        .write(0, pattern(6, 1 << 20).into(), false)
-        .await
-        .unwrap();
+    let local = disk_with(pattern(6, 1 << 20), 0).await;
     let target_disk = FaultyDisk::new();
     target_disk.failing_flush.store(true, Ordering::Release);
     let pair = cluster_started(
@@ -883,11 +878,7 @@ async fn a_resync_pass_cut_short_by_a_demotion_is_not_shown_running() {
     // 4 MiB differ and travel at 1 MiB/s; the primary is demoted a moment into the pass,
     // which ends it unfinished, and the link comes back idle (two secondaries). Status
     // must then say the pass stopped, not show it running with an ETA.
-    let local = Arc::new(MemoryBackend::new(SIZE, false));
-    local
-        .write(0, pattern(6, 4 << 20).into(), false)
-        .await
-        .unwrap();
+    let local = disk_with(pattern(6, 4 << 20), 0).await;
     let pair = cluster_started("C", 2, local, "1M", 2, None).await;
     wait_until("the resync pass is under way", || {
         let status = pair.primary.status();

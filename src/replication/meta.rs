@@ -169,12 +169,18 @@ pub struct Metadata {
     failed: Option<(&'static str, i32)>,
 }
 
-/// Takes an exclusive lock on the metadata file for as long as `file` stays open, before
-/// anything is read or written: a second start of the same node (or a mistyped `--node`)
-/// must not write records that outrank the running node's (review, session 66: a second
-/// `serve --node alpha` marked its hot extents, took the primary role and wrote a newer
-/// superblock before it failed on the taken port, and the running node's clean close was
-/// lost).
+/// Removes `temporary`, a file a crashed create left, unless a running create holds its
+/// lock (then the metadata is in use).
+fn remove_unlocked_leftover(temporary: &Path, path: &Path) -> Result<(), MetaError> {
+    let leftover = match File::open(temporary) {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(io_err(temporary, "opening a leftover")(e)),
+    };
+    lock_exclusively(&leftover, path)?;
+    std::fs::remove_file(temporary).map_err(io_err(temporary, "removing a leftover"))
+}
+
 /// The `op` of the error [`Metadata::create`] returns when the file appeared meanwhile.
 const NAMING: &str = "naming";
 
@@ -196,6 +202,12 @@ fn name_by_link(temporary: &Path, path: &Path) -> Result<(), MetaError> {
     std::fs::remove_file(temporary).map_err(io_err(temporary, "removing"))
 }
 
+/// Takes an exclusive lock on the metadata file for as long as `file` stays open, before
+/// anything is read or written: a second start of the same node (or a mistyped `--node`)
+/// must not write records that outrank the running node's (review, session 66: a second
+/// `serve --node alpha` marked its hot extents, took the primary role and wrote a newer
+/// superblock before it failed on the taken port, and the running node's clean close was
+/// lost).
 fn lock_exclusively(file: &File, path: &Path) -> Result<(), MetaError> {
     use rustix::fs::{flock, FlockOperation};
     match flock(file, FlockOperation::NonBlockingLockExclusive) {
@@ -277,9 +289,12 @@ impl Metadata {
         temporary.push(format!(".creating.{}", std::process::id()));
         let temporary = std::path::PathBuf::from(temporary);
         // A start with this PID that crashed mid-create left it (a PID 1 in a container
-        // has the same PID every time): unlinking it never touches the real file, even
-        // when a crash between `link` and `unlink` below left the two linked.
-        let _ = std::fs::remove_file(&temporary);
+        // has the same PID every time). Removed only if nobody holds its lock: another
+        // start with this PID (in another PID namespace) may be writing it right now, and
+        // unlinking its file let it name ours and run on an unlinked one (re-review,
+        // session 67). Unlinking never touches the real file, even when a crash between
+        // `link` and `unlink` below left the two linked.
+        remove_unlocked_leftover(&temporary, path)?;
         let created = Metadata::create_at(&temporary, path, node, resource, peers, size)
             .and_then(|metadata| name_without_replacing(&temporary, path).map(|()| metadata));
         let metadata = match created {
@@ -1290,7 +1305,8 @@ mod tests {
 
     /// A temporary file a crashed create left under this process's name (a PID 1 in a
     /// container has the same PID every start) does not stop the next create: it failed
-    /// with a misleading "No such file or directory" once (re-review, session 67).
+    /// with a misleading "No such file or directory" once (re-review, session 67). One a
+    /// running create holds is left alone (its node is starting).
     #[test]
     fn a_leftover_temporary_file_does_not_stop_a_create() {
         let dir = tempfile::tempdir().unwrap();
@@ -1299,6 +1315,16 @@ mod tests {
             .path()
             .join(format!("node.meta.creating.{}", std::process::id()));
         std::fs::write(&leftover, b"half written").unwrap();
+        // Locked, it is another start's (with this PID, in another PID namespace), still
+        // writing: the metadata is in use, and the file stays.
+        let writing = std::fs::File::open(&leftover).unwrap();
+        lock_exclusively(&writing, &path).unwrap();
+        assert!(matches!(
+            Metadata::open_or_create(&path, "alpha", "r0", &peers(), SIZE),
+            Err(MetaError::InUse { .. })
+        ));
+        assert!(leftover.exists() && !path.exists());
+        drop(writing);
         let metadata = Metadata::open_or_create(&path, "alpha", "r0", &peers(), SIZE).unwrap();
         assert_eq!(metadata.superblock().node, "alpha");
         assert!(!leftover.exists());

@@ -82,8 +82,15 @@ impl BudgetShare {
     }
 
     /// The connection now holds `held` bytes: chunks it no longer needs (keeping one
-    /// spare, so a steady flow does not take and give back the same chunk) go back.
+    /// spare, so a steady flow does not take and give back the same chunk) go back, and
+    /// all of them once it holds nothing: idle connections kept a chunk each for good, and
+    /// ten of them held the whole reserve (re-review, session 67).
     pub fn release(&mut self, held: u64) {
+        if held == 0 && self.taken > 0 {
+            self.pool.fetch_sub(self.taken, Ordering::AcqRel);
+            self.taken = 0;
+            return;
+        }
         while self.taken >= CHUNK && held + 2 * CHUNK <= self.taken {
             self.taken -= CHUNK;
             self.pool.fetch_sub(CHUNK, Ordering::AcqRel);
@@ -123,9 +130,12 @@ mod tests {
         // One far past what it covered is covered whole at the next call, or refused.
         assert!(!third.may_admit(4 * CHUNK), "more than the pool holds");
         assert_eq!(third.taken, 0);
-        // Given back as the holder drains, one chunk kept spare; all of it when dropped.
+        // Given back as the holder drains, one chunk kept spare while it holds something,
+        // all of it when it holds nothing or is dropped.
+        first.release(1);
+        assert_eq!(first.taken, 2 * CHUNK);
         first.release(0);
-        assert_eq!(first.taken, CHUNK);
+        assert_eq!(first.taken, 0);
         assert!(second.may_admit(CHUNK));
         drop(first);
         drop(second);
@@ -159,6 +169,9 @@ mod tests {
         drop(small);
         let mut large = BudgetShare::of(&POOL, limit, reserve);
         assert!(!large.may_admit(2 * CHUNK));
+        // An idle connection gives its chunk back: idle ones cannot sit on the reserve.
+        other.release(0);
+        assert!(late.may_admit(4096));
         drop((big, other, large, late));
         assert_eq!(POOL.load(Ordering::Acquire), 0);
     }

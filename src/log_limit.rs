@@ -52,10 +52,15 @@ pub static FAILED_REQUESTS: LogLimit = LogLimit::new();
 /// broken or hostile client can send as fast as the socket carries them), server-wide.
 pub static REFUSED_REQUESTS: LogLimit = LogLimit::new();
 
-/// Warnings about handshakes that ended badly (a reset, a timeout, a broken option):
-/// a client connecting and resetting in a loop logged a line each, 5,000 in 0.8 s
-/// (review, session 67), server-wide.
+/// Warnings about handshakes cut by the connection (a reset, an I/O error) or by the
+/// handshake timeout: a client connecting and resetting in a loop logged a line each,
+/// 5,000 in 0.8 s (review, session 67), server-wide.
 pub static FAILED_HANDSHAKES: LogLimit = LogLimit::new();
+
+/// Warnings about handshakes the server ended for what the client asked (a broken
+/// option, an export that does not exist): limited apart from [`FAILED_HANDSHAKES`], so
+/// that a flood of resets does not hide a misconfigured client (re-review, session 67).
+pub static REFUSED_HANDSHAKES: LogLimit = LogLimit::new();
 
 /// Warnings about connections closed because the server serves its most already (a
 /// client reconnecting in a loop would otherwise log a line per attempt), server-wide.

@@ -415,6 +415,20 @@ fn rule2_a_flood_of_broken_handshakes_is_barely_logged() {
     for _ in 0..count {
         reset_mid_handshake(server.tcp());
     }
+    // A client asking for an export that does not exist, amid the resets, is still named:
+    // its warning is limited apart from theirs.
+    let mut stream = TcpStream::connect(server.tcp()).unwrap();
+    let mut greeting = [0u8; 18];
+    stream.read_exact(&mut greeting).unwrap();
+    stream.write_all(&3u32.to_be_bytes()).unwrap();
+    let name = b"no-such-export";
+    stream.write_all(b"IHAVEOPT").unwrap();
+    stream.write_all(&1u32.to_be_bytes()).unwrap();
+    stream
+        .write_all(&(name.len() as u32).to_be_bytes())
+        .unwrap();
+    stream.write_all(name).unwrap();
+    let _ = stream.read(&mut [0u8; 1]);
     // The next window's first warning counts those left out.
     std::thread::sleep(Duration::from_millis(1100));
     reset_mid_handshake(server.tcp());
@@ -429,6 +443,7 @@ fn rule2_a_flood_of_broken_handshakes_is_barely_logged() {
         "{lines} lines for {count} broken handshakes"
     );
     assert!(log.contains("suppressed"), "{log}");
+    assert!(log.contains("\"no-such-export\" requested"), "{log}");
     // The server still serves.
     let mut raw = Raw::session(server.tcp(), Mode::Simple);
     assert_usable(&mut raw, 0, 1);

@@ -35,7 +35,7 @@ use tracing::{error, info, warn, Instrument};
 use self::clients::{ClientSlot, Clients};
 use crate::backend::uring::LoneThread;
 use crate::backend::Backend;
-use crate::log_limit::{warn_limited, FAILED_HANDSHAKES, REFUSED_CONNECTIONS};
+use crate::log_limit::{warn_limited, FAILED_HANDSHAKES, REFUSED_CONNECTIONS, REFUSED_HANDSHAKES};
 use crate::tcp::TcpSettings;
 
 /// One exported device.
@@ -771,8 +771,12 @@ async fn negotiate<S: Stream>(
             );
             None
         }
-        Ok(Err(end)) if end.is_violation() => {
+        Ok(Err(end @ handshake::NegotiationEnd::Io(_))) => {
             warn_limited!(FAILED_HANDSHAKES, "closing during handshake: {end}");
+            None
+        }
+        Ok(Err(end)) if end.is_violation() => {
+            warn_limited!(REFUSED_HANDSHAKES, "closing during handshake: {end}");
             None
         }
         Ok(Err(end)) => {

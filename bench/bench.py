@@ -733,6 +733,9 @@ def one_run_at_a_time(what):
             os.pwrite(fd, f"{what}, pid {os.getpid()}".encode(), 0)
         yield
     finally:
+        # No stale holder's name for the next refusal to quote.
+        if writable:
+            os.ftruncate(fd, 0)
         os.close(fd)
 
 

@@ -18,6 +18,8 @@ RUNTIME=5
 LOCK=${NETBLK_BENCH_LOCK:-/tmp/netblk-bench.lock}
 { exec 9<>"$LOCK"; } 2>/dev/null || exec 9<"$LOCK"
 flock -n 9 || { echo "another benchmark is running ($(cat "$LOCK"); lock $LOCK): run one at a time" >&2; exit 1; }
+# Name the holder where the file can be written (as bench.py does).
+{ : > "$LOCK" && echo "page_cache_folios.sh, pid $$" > "$LOCK"; } 2>/dev/null || true
 REPORT=$(mktemp)
 pid=
 trap 'rm -f "$REPORT"; [ -z "$pid" ] || kill $pid 2>/dev/null' EXIT

@@ -560,7 +560,7 @@ fn watch_resync(target: &ControlTarget) -> anyhow::Result<()> {
     let terminal = std::io::stdout().is_terminal();
     let bars = MultiProgress::new();
     let style = ProgressStyle::with_template(
-        "{prefix:>8} [{bar:40}] {bytes}/{total_bytes} {binary_bytes_per_sec} ETA {eta}",
+        "{prefix:>8} [{bar:40}] {bytes}/{total_bytes} {msg} ETA {eta}",
     )?
     .progress_chars("=> ");
     let mut shown: HashMap<String, ProgressBar> = HashMap::new();
@@ -589,6 +589,13 @@ fn watch_resync(target: &ControlTarget) -> anyhow::Result<()> {
                 });
                 bar.set_length(peer.resync_total_bytes);
                 bar.set_position(peer.resync_done_bytes);
+                // The server's rates, both: the bar's own would be bytes compared per
+                // second only, while `resync_rate` limits bytes sent (re-review, session 67).
+                bar.set_message(format!(
+                    "compared {:.1} MiB/s, sent {:.1} MiB/s",
+                    control::mib(peer.resync_rate_bytes_per_sec),
+                    control::mib(peer.resync_sent_rate_bytes_per_sec)
+                ));
             }
             for (name, bar) in &shown {
                 if !running.iter().any(|p| &p.name == name) {

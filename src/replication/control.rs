@@ -354,12 +354,12 @@ pub async fn run_control(
     .await;
 }
 
-/// A human-readable rendering of a status.
 /// Bytes per second in MiB/s, the unit of the resource's `resync_rate`.
 pub fn mib(bytes_per_second: u64) -> f64 {
     bytes_per_second as f64 / f64::from(1 << 20)
 }
 
+/// A human-readable rendering of a status.
 pub fn render(status: &Status) -> String {
     let mut text = format!(
         "resource {} node {}: {}, disk {}, generation {}, {} bytes out of sync\n",

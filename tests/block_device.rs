@@ -19,7 +19,17 @@ struct LoopDevice(PathBuf);
 
 impl LoopDevice {
     fn attach(file: &Path) -> LoopDevice {
-        let out = run_stdout(Command::new("losetup").args(["-f", "--show"]).arg(file));
+        LoopDevice::attach_with(file, &[])
+    }
+
+    /// Attached with `options` for `losetup` (`-r`, `--direct-io=on`).
+    fn attach_with(file: &Path, options: &[&str]) -> LoopDevice {
+        let out = run_stdout(
+            Command::new("losetup")
+                .args(options)
+                .args(["-f", "--show"])
+                .arg(file),
+        );
         LoopDevice(PathBuf::from(out.trim()))
     }
 }
@@ -356,12 +366,7 @@ print("adjacent", good_failed, bad_ok)
 /// past 32 MiB it reads past the end of its file, and fails with EIO.
 fn unreadable_past_32_mib(dir: &Path) -> LoopDevice {
     let backing = sparse_file(&dir.join("backing.img"), 64);
-    let out = run_stdout(
-        Command::new("losetup")
-            .args(["--direct-io=on", "-f", "--show"])
-            .arg(&backing),
-    );
-    let device = LoopDevice(PathBuf::from(out.trim()));
+    let device = LoopDevice::attach_with(&backing, &["--direct-io=on"]);
     std::fs::OpenOptions::new()
         .write(true)
         .open(&backing)
@@ -552,12 +557,7 @@ fn a_read_only_rotational_device_is_exported_as_it_is() {
     }
     let dir = tempfile::tempdir().unwrap();
     let backing = sparse_file(&dir.path().join("backing.img"), 16);
-    let out = run_stdout(
-        Command::new("losetup")
-            .args(["-f", "--show", "-r"])
-            .arg(&backing),
-    );
-    let device = LoopDevice(PathBuf::from(out.trim()));
+    let device = LoopDevice::attach_with(&backing, &["-r"]);
     let name = device.0.file_name().unwrap().to_str().unwrap().to_string();
     let query = "import nbd, sys\n\
                  h = nbd.NBD()\n\

@@ -388,6 +388,19 @@ async fn pair_on_a_faulty_disk(protocol: &str) -> (Arc<FaultyDisk>, Pair) {
     (disk, pair)
 }
 
+/// Three nodes, all running, the primary on an empty memory disk.
+async fn trio(resync_rate: &str) -> Pair {
+    cluster(
+        "C",
+        3,
+        Arc::new(MemoryBackend::new(SIZE, false)),
+        resync_rate,
+        3,
+        None,
+    )
+    .await
+}
+
 /// A memory disk of SIZE bytes holding `data` at `offset`, the rest zeroes.
 async fn disk_with(data: Bytes, offset: u64) -> Arc<MemoryBackend> {
     let disk = Arc::new(MemoryBackend::new(SIZE, false));
@@ -700,15 +713,7 @@ async fn a_secondary_refuses_client_writes_and_exports_read_only() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_nodes_all_hold_every_write_and_secondaries_link_idle() {
-    let trio = cluster(
-        "C",
-        3,
-        Arc::new(MemoryBackend::new(SIZE, false)),
-        "1G",
-        3,
-        None,
-    )
-    .await;
+    let trio = trio("1G").await;
     let backend = trio.primary_backend();
     for i in 0..32u64 {
         let data = pattern(i as u8, 4096 * (1 + i as usize % 5));
@@ -810,15 +815,7 @@ async fn a_slow_resync_shows_its_progress_before_its_first_barrier() {
 /// linked as in sync with one block different (review, session 67).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_secondarys_clean_close_keeps_its_unbarriered_extents_in_doubt() {
-    let trio = cluster(
-        "C",
-        3,
-        Arc::new(MemoryBackend::new(SIZE, false)),
-        "1G",
-        3,
-        None,
-    )
-    .await;
+    let trio = trio("1G").await;
     let backend = trio.primary_backend();
     backend
         .write(5 << 20, pattern(3, 4096).into(), false)
@@ -917,15 +914,7 @@ async fn a_resync_pass_cut_short_by_a_demotion_is_not_shown_running() {
 /// UpToDate).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_target_in_its_pass_takes_the_primarys_new_generation_at_once() {
-    let trio = cluster(
-        "C",
-        3,
-        Arc::new(MemoryBackend::new(SIZE, false)),
-        "1M",
-        3,
-        None,
-    )
-    .await;
+    let trio = trio("1M").await;
     let backend = trio.primary_backend();
     backend
         .write(0, pattern(7, 4 << 20).into(), false)
@@ -1327,15 +1316,7 @@ async fn after_a_failover_a_write_only_one_secondary_got_is_resynced_to_the_othe
     // gamma (made here by writing to beta's disk behind the protocol's back). Beta is
     // promoted; its activity log, marked when the primary was lost, must bring gamma to
     // beta's data, or the two replicas would silently differ in that block.
-    let trio = cluster(
-        "C",
-        3,
-        Arc::new(MemoryBackend::new(SIZE, false)),
-        "1G",
-        3,
-        None,
-    )
-    .await;
+    let trio = trio("1G").await;
     let backend = trio.primary_backend();
     let offset = 3 << 20;
     backend
@@ -1399,15 +1380,7 @@ async fn after_a_failover_a_write_only_one_secondary_got_is_resynced_to_the_othe
 async fn a_secondary_tells_the_other_secondaries_the_generation_it_takes() {
     // Gamma must not judge a promotion by an old hello from beta: when beta takes a new
     // generation from the primary, gamma hears of it on their idle link.
-    let trio = cluster(
-        "C",
-        3,
-        Arc::new(MemoryBackend::new(SIZE, false)),
-        "1G",
-        3,
-        None,
-    )
-    .await;
+    let trio = trio("1G").await;
     let (beta, gamma) = (&trio.secondaries[0], &trio.secondaries[1]);
     let (_, mut newer) = beta.local_state();
     newer.start_new(0x1234_5678_9abc_def0);

@@ -267,7 +267,8 @@ impl Drop for SyncTicket<'_> {
 /// is a write and such a sync), and in page-cache mode a failed FUA write (`RWF_DSYNC`; its
 /// errno cannot tell a failed writeback from a failed copy into the page cache, so either
 /// stops FLUSH). A failed direct write, FUA or not, does not: that is more likely its own
-/// blocks failing (a bad sector), which must not stop the export.
+/// blocks failing (a bad sector), which must not stop the export. Nor does a sync the
+/// ring never handed to the kernel ([`super::uring::reached_the_kernel`]).
 ///
 /// The kernel reports a failure once, so a sync that succeeded answers only after the
 /// syncs beside it, and fails if one of them failed ([`SyncsInFlight`]). A direct FUA write
@@ -843,8 +844,12 @@ impl FileBackend {
     }
 
     /// A sync (or a FUA write in writeback mode) failed with `error`: FLUSH fails from now
-    /// on ([`LostWriteback`]).
+    /// on ([`LostWriteback`]), unless the sync never reached the kernel (the ring could not
+    /// take it), which says nothing of the data written before: the next FLUSH tries again.
     fn sync_failed(&self, error: &std::io::Error) {
+        if !super::uring::reached_the_kernel(error) {
+            return;
+        }
         if self.lost.record(error) {
             tracing::error!(
                 "{}: a sync failed ({error}): writes acknowledged before it may not be on the \
@@ -1637,6 +1642,30 @@ mod tests {
         let other = LostWriteback::default();
         assert!(other.record(&std::io::Error::other("no errno")));
         assert_eq!(other.error().unwrap().raw_os_error(), Some(libc::EIO));
+    }
+
+    /// A sync the ring could not take never reached the file, so it says nothing of the
+    /// writes before it: that FLUSH fails, and the next one syncs and succeeds (until
+    /// session 68 the first stopped FLUSH for good, as a failed sync does).
+    #[test]
+    fn a_sync_that_never_reached_the_kernel_does_not_stop_flush() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("disk.img");
+        for mode in MODES {
+            let _ = std::fs::remove_file(&path);
+            let b = FileBackend::open(&path, Some(1 << 20), false, Some(mode)).unwrap();
+            block_on(async {
+                let data = || WriteData::from(Bytes::from(vec![3u8; 4096]));
+                b.write(0, data(), false).await.unwrap();
+                b.ring.refuse_next_pushes(1);
+                let refused = b.flush().await.expect_err("the ring refused the sync");
+                let cause = refused.source.as_ref().expect("an I/O error");
+                assert!(!super::super::uring::reached_the_kernel(cause), "{mode}");
+                b.flush().await.expect("the next FLUSH syncs");
+                b.write(4096, data(), true).await.unwrap();
+                b.flush().await.unwrap();
+            });
+        }
     }
 
     /// What reaches the kernel: a FLUSH after a write is one sync, a FLUSH with nothing

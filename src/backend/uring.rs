@@ -220,6 +220,10 @@ struct RingState {
     /// Submissions a test makes the kernel refuse, as if it said `EAGAIN`.
     #[cfg(test)]
     refuse_submits: usize,
+    /// Entries a test makes the ring fail to queue, as if the queue were full and the
+    /// kernel refused it.
+    #[cfg(test)]
+    refuse_pushes: usize,
 }
 
 /// Keeps a device that completes its requests in batches working on one part of a burst
@@ -618,6 +622,8 @@ impl Ring {
                 unsubmitted: false,
                 #[cfg(test)]
                 refuse_submits: 0,
+                #[cfg(test)]
+                refuse_pushes: 0,
             }),
             answers: AnswerPool::default(),
             submit_wanted: Notify::new(),
@@ -712,7 +718,12 @@ impl Ring {
         };
         let permit = match Arc::clone(&self.in_flight).acquire_owned().await {
             Ok(permit) => permit,
-            Err(_) => return (Err(io::Error::other("the ring is closed")), None),
+            Err(_) => {
+                return (
+                    Err(not_submitted(io::Error::other("the ring is closed"))),
+                    None,
+                )
+            }
         };
         let (done, answer) = self.answers.channel();
         let fd = types::Fd(file.as_raw_fd());
@@ -775,7 +786,7 @@ impl Ring {
             _permit: permit,
         };
         if let Err(e) = self.push(slot, entry, is_read) {
-            return (Err(e), None);
+            return (Err(not_submitted(e)), None);
         }
         match answer.await {
             Ok(Completion { result, buffer }) if result < 0 => {
@@ -923,12 +934,25 @@ impl Ring {
         self.lock().handed_out
     }
 
+    /// Makes the next `entries` fail to queue, as if the kernel refused a full queue.
+    #[cfg(test)]
+    pub(crate) fn refuse_next_pushes(&self, entries: usize) {
+        self.lock().refuse_pushes = entries;
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, RingState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn push(self: &Arc<Self>, slot: Slot, entry: squeue::Entry, is_read: bool) -> io::Result<()> {
         let mut state = self.lock();
+        #[cfg(test)]
+        if state.refuse_pushes > 0 {
+            state.refuse_pushes -= 1;
+            return Err(io::Error::from_raw_os_error(
+                rustix::io::Errno::AGAIN.raw_os_error(),
+            ));
+        }
         state.queued_other_than_reads |= !is_read;
         self.ensure_reaper(&mut state)?;
         let index = state.insert(slot);
@@ -1035,6 +1059,37 @@ thread_local! {
     /// Where rings first used on this thread start their reapers, when set (see
     /// [`set_reaper_runtime`]).
     static REAPER_RUNTIME: RefCell<Option<tokio::runtime::Handle>> = const { RefCell::new(None) };
+}
+
+/// A request that never reached the kernel: the ring was closing, or its entry could not
+/// be queued (no reaper, a submission the kernel refused while the queue was full). The
+/// file was not touched, so a sync that fails this way says nothing about the data
+/// written before it ([`reached_the_kernel`]).
+#[derive(Debug)]
+struct NotSubmitted(io::Error);
+
+impl std::fmt::Display for NotSubmitted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} (not submitted)", self.0)
+    }
+}
+
+impl std::error::Error for NotSubmitted {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.0)
+    }
+}
+
+fn not_submitted(e: io::Error) -> io::Error {
+    io::Error::new(e.kind(), NotSubmitted(e))
+}
+
+/// Whether the request that failed with `error` reached the kernel, which then failed it;
+/// `false` for one the ring never handed over ([`NotSubmitted`]).
+pub fn reached_the_kernel(error: &io::Error) -> bool {
+    !error
+        .get_ref()
+        .is_some_and(|inner| inner.is::<NotSubmitted>())
 }
 
 /// Names the runtime that rings first used on this thread start their reapers on (`None`:

@@ -60,7 +60,7 @@ const SUBMISSION_ENTRIES: u32 = 256;
 /// Completion queue entries, and so the most entries in flight at once.
 const COMPLETION_ENTRIES: u32 = 4096;
 
-/// `RWF_DSYNC`: the write is durable when it completes (how FUA is done).
+/// `RWF_DSYNC`: the write is durable when it completes.
 pub const RWF_DSYNC: i32 = 0x2;
 
 thread_local! {
@@ -537,8 +537,12 @@ enum Request {
         data: WriteData,
         flags: i32,
     },
+    /// `fsync`/`fdatasync` of `[offset, offset + len)` (the kernel's `vfs_fsync_range`);
+    /// `len` 0 to the end of the file, so 0 and 0 sync all of it.
     Fsync {
         datasync: bool,
+        offset: u64,
+        len: u32,
     },
     /// `sync_file_range(SYNC_FILE_RANGE_WRITE)`: the range's dirty pages are queued for
     /// writing; completes without waiting for the writes.
@@ -687,10 +691,42 @@ impl Ring {
     pub async fn fsync(self: &Arc<Self>, file: &Arc<File>, datasync: bool) -> io::Result<()> {
         #[cfg(test)]
         self.durable_requests.fetch_add(1, Ordering::Relaxed);
-        self.submit(file, Request::Fsync { datasync })
-            .await
-            .0
-            .map(|_| ())
+        self.submit(
+            file,
+            Request::Fsync {
+                datasync,
+                offset: 0,
+                len: 0,
+            },
+        )
+        .await
+        .0
+        .map(|_| ())
+    }
+
+    /// fdatasync of `[offset, offset + len)` only, as a write with `RWF_DSYNC` syncs its
+    /// own range (the same `vfs_fsync_range`, which also reports a failed writeback of the
+    /// file's other pages). Always through the ring: no system call syncs a range.
+    pub async fn fdatasync_range(
+        self: &Arc<Self>,
+        file: &Arc<File>,
+        offset: u64,
+        len: u32,
+    ) -> io::Result<()> {
+        #[cfg(test)]
+        self.durable_requests.fetch_add(1, Ordering::Relaxed);
+        // A length of 0 would sync the whole file: correct, only slower.
+        self.submit(
+            file,
+            Request::Fsync {
+                datasync: true,
+                offset,
+                len,
+            },
+        )
+        .await
+        .0
+        .map(|_| ())
     }
 
     /// Starts writeback of the dirty pages in `[offset, offset + len)` (`len` 0: to the end
@@ -761,13 +797,22 @@ impl Ring {
                 };
                 (entry, None, Some(data))
             }
-            Request::Fsync { datasync } => {
+            Request::Fsync {
+                datasync,
+                offset,
+                len,
+            } => {
                 let flags = if datasync {
                     types::FsyncFlags::DATASYNC
                 } else {
                     types::FsyncFlags::empty()
                 };
-                (opcode::Fsync::new(fd).flags(flags).build(), None, None)
+                let entry = opcode::Fsync::new(fd)
+                    .flags(flags)
+                    .offset(offset)
+                    .len(len)
+                    .build();
+                (entry, None, None)
             }
             Request::StartWriteback { offset, len } => {
                 const SYNC_FILE_RANGE_WRITE: u32 = 2;
@@ -863,7 +908,11 @@ impl Ring {
                 });
                 (written, None)
             }),
-            Request::Fsync { datasync } => self.run_lone(|| {
+            Request::Fsync {
+                datasync,
+                offset: 0,
+                len: 0,
+            } => self.run_lone(|| {
                 let synced = retry_interrupted(|| {
                     if datasync {
                         rustix::fs::fdatasync(file)

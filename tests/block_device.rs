@@ -318,6 +318,43 @@ fn a_failed_sync_fails_every_flush_after_it() {
     }
 }
 
+/// Once FLUSH fails for good, a client that commits one write at a time (a write, then a
+/// FLUSH, 300 times: the pattern the server flushes ahead of) gets every FLUSH failed, and
+/// the log says so at most ten times a second, not once a commit (found by review,
+/// session 68: the failed flushes ahead were logged unlimited, 3,248 lines in 3 s).
+#[test]
+fn failed_flushes_ahead_are_logged_within_the_limit() {
+    if !have("losetup") || !have("mount") {
+        return;
+    }
+    let failing = FailingDevice::new();
+    let device = failing.device.0.to_str().unwrap();
+    let server = Server::start(&["--cache=writeback", device]);
+    let said = python(
+        r#"
+import nbd, subprocess, sys
+h = nbd.NBD()
+h.connect_uri(sys.argv[1])
+for i in range(16):
+    h.pwrite(b"\xab" * (1 << 20), i << 20)
+subprocess.run(["sync"], check=True)
+failed = 0
+for i in range(300):
+    h.pwrite(b"\x01" * 4096, i * 4096)
+    try:
+        h.flush()
+    except nbd.Error:
+        failed += 1
+print("failed", failed)
+"#,
+        &[&server.uri()],
+    );
+    assert_eq!(said, "failed 300\n");
+    let log = server.stderr();
+    let ahead = log.lines().filter(|l| l.contains("flush ahead")).count();
+    assert!(ahead <= 30, "{ahead} lines of failed flushes ahead:\n{log}");
+}
+
 /// Reads of a device with unreadable sectors, each printed as it came to: a read of a
 /// bad range (twice, the second from a page the first left in the page cache, not up to
 /// date), a good one on the same connection, and a bad and a good one on a new connection.

@@ -716,6 +716,41 @@ fn a_read_past_the_end_of_a_shrunk_device_fails() {
     let _ = server.stop();
 }
 
+/// A regular file shrunk under its export (a `truncate`, `qemu-img resize --shrink`) fails
+/// reads past its new end with EIO, in both cache modes, as a device does: they were
+/// answered as zeroes (review, session 68). Reads before the new end still work.
+#[test]
+fn a_read_past_the_end_of_a_shrunk_file_fails() {
+    for cache in ["--cache=writeback", "--cache=none"] {
+        let dir = tempfile::tempdir().unwrap();
+        let backing = dir.path().join("backing.img");
+        pattern_file(&backing, 64 << 20, 5);
+        let server = Server::start(&[cache, backing.to_str().unwrap()]);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&backing)
+            .unwrap()
+            .set_len(32 << 20)
+            .unwrap();
+        let said = python(
+            "import nbd, sys\n\
+             h = nbd.NBD()\n\
+             h.connect_uri(sys.argv[1])\n\
+             print(h.pread(4096, 0)[:1].hex())\n\
+             for length in (4096, 1 << 20):\n\
+             \x20   try:\n\
+             \x20       h.pread(length, 48 << 20)\n\
+             \x20       print('zeroes')\n\
+             \x20   except nbd.Error as e:\n\
+             \x20       print('EIO' if '(EIO)' in str(e) else e)\n",
+            &[&server.uri()],
+        );
+        let expected = read_all(&backing);
+        assert_eq!(said, format!("{:02x}\nEIO\nEIO\n", expected[0]), "{cache}");
+        let _ = server.stop();
+    }
+}
+
 /// A fast zero (`NBD_CMD_FLAG_FAST_ZERO`) on a device that cannot zero by itself is refused
 /// with ENOTSUP, as the spec asks, instead of done slowly: the kernel would write pages of
 /// zeroes. A loop device over a file on tmpfs learns at its first zeroing that keeps the

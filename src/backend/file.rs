@@ -548,13 +548,18 @@ impl FileBackend {
             .is_some_and(|bytes| bytes > 0)
     }
 
-    /// A read within the export's size met the end of the data. A file's end is read as
-    /// zeroes; a device's size is fixed, so a device that ends there was shrunk under the
-    /// export (an `lvreduce`, `losetup -c`), and zeroes would be a silent wrong answer
-    /// (review, session 67): EIO.
+    /// A read within the export's size met the end of the data. The export's size is
+    /// fixed at open, and netblk never shortens what it exports, so a device or file that
+    /// ends there was shrunk under the export (an `lvreduce`, `losetup -c`, a `truncate`,
+    /// `qemu-img resize --shrink`), and zeroes would be a silent wrong answer (review,
+    /// sessions 67 for devices, 68 for files): EIO, as nbdkit's file plugin answers. A file
+    /// as long as the export again by now (grown back meanwhile) reads as zeroes there.
     fn past_the_end(&self, offset: u64, want: usize) -> Result<(), BackendError> {
         if !self.block_device {
-            return Ok(());
+            let now = rustix::fs::fstat(&*self.file).map_or(0, |stat| stat.st_size as u64);
+            if now >= self.size {
+                return Ok(());
+            }
         }
         let error = BackendError::io(
             "read",
@@ -606,7 +611,7 @@ impl FileBackend {
     }
 
     /// Fills all of `buffer` from `offset` (short only at the end of the file, where the
-    /// rest is zeroed; a device shorter than it was at the start fails instead).
+    /// rest is zeroed; a device or file shorter than the export fails instead).
     async fn read_into(&self, offset: u64, mut buffer: Buffer) -> Result<Buffer, BackendError> {
         let want = buffer.len();
         let mut filled = 0usize;

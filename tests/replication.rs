@@ -1191,3 +1191,89 @@ fn replication_across_two_network_namespaces() {
     secondary.stop();
     assert_same_files(&dir.path().join("alpha.img"), &dir.path().join("beta.img"));
 }
+
+/// A link slower than what is queued on it is not a dead peer: 8 MiB of 1 MiB writes in
+/// flight over 16 Mbit/s (about 4 s of link time) with a peer timeout of 1 s. The peer
+/// answers the earlier writes and sends keepalives as the data arrives, so the primary
+/// waits for it: no write goes degraded, and the nodes stay in sync. Until session 68 a
+/// write's wait was timed from its request, and such a link dropped the live peer again
+/// and again (review: 18 times a minute at 10 Mbit/s, with a 3 s stall of every write at
+/// each reconnect).
+#[test]
+fn a_slow_link_is_not_taken_for_a_dead_peer() {
+    if !have("fio") || !have("tc") {
+        return;
+    }
+    let Some(ns) = Namespaces::create("s") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let nodes = [
+        NodeSpec {
+            name: "alpha",
+            replication: "10.231.0.1:7788".into(),
+            listen: "10.231.0.1:10809".into(),
+        },
+        NodeSpec {
+            name: "beta",
+            replication: "10.231.0.2:7788".into(),
+            listen: "10.231.0.2:10809".into(),
+        },
+    ];
+    let config = resource_file(dir.path(), "r0", &nodes);
+    let primary = NsNode::start(
+        &ns.names[0],
+        &config,
+        "alpha",
+        true,
+        dir.path().join("a.log"),
+    );
+    let secondary = NsNode::start(
+        &ns.names[1],
+        &config,
+        "beta",
+        false,
+        dir.path().join("b.log"),
+    );
+    wait_for_log(
+        "secondary",
+        || secondary.stderr(),
+        "in sync with the primary",
+        1,
+    );
+    let veth = format!("v{}a", std::process::id() % 100_000);
+    run(Command::new("ip")
+        .args(["netns", "exec", &ns.names[0], "tc", "qdisc", "add"])
+        .args([
+            "dev", &veth, "root", "tbf", "rate", "16mbit", "burst", "32kbit", "latency", "2s",
+        ]));
+    let out = Command::new("ip")
+        .args(["netns", "exec", &ns.names[0], "fio", "--name=slow"])
+        .args([
+            "--ioengine=nbd",
+            "--uri=nbd://10.231.0.1:10809",
+            "--rw=write",
+            "--bs=1m",
+            "--iodepth=8",
+            "--size=8m",
+            "--verify=crc32c",
+            "--verify_fatal=1",
+            "--verify_state_save=0",
+            "--output-format=json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "fio failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let log = primary.stderr();
+    assert!(
+        !log.contains("peer lost"),
+        "the slow link was taken for a dead peer:\n{log}"
+    );
+    primary.stop();
+    secondary.stop();
+    assert_same_files(&dir.path().join("alpha.img"), &dir.path().join("beta.img"));
+}

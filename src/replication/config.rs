@@ -5,7 +5,7 @@
 //! [resource]
 //! name = "r0"
 //! protocol = "C"          # C (default): reply when every up-to-date replica has the write
-//! peer_timeout = "3s"     # a silent peer is dropped (and tracked in the bitmap) after this
+//! peer_timeout = "3s"     # a peer silent this long is dropped (and tracked in the bitmap)
 //! resync_rate = "100M"    # bytes per second of background resync
 //! size = "10G"            # creates missing backing files of this size
 //!

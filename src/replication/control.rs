@@ -253,7 +253,9 @@ impl Shared {
                         length: length as u32,
                     },
                 );
-                let theirs = match tokio::time::timeout(self.resource.peer_timeout, reply).await {
+                let timeout = self.resource.peer_timeout;
+                let deadline = tokio::time::Instant::now() + timeout;
+                let theirs = match conn.answer_within(reply, deadline, timeout).await {
                     Ok(Ok(Message::ChecksumReply {
                         status: 0,
                         checksum,

@@ -824,14 +824,16 @@ impl Shared {
         op: &str,
         deadline: tokio::time::Instant,
     ) -> bool {
-        let outcome = tokio::time::timeout_at(deadline, wait).await;
+        let outcome = conn
+            .answer_within(wait, deadline, self.resource.peer_timeout)
+            .await;
         let why = match outcome {
             Ok(Ok(Message::Ack { status: 0, .. }))
             | Ok(Ok(Message::Received { .. }))
             | Ok(Ok(Message::BarrierAck { status: 0, .. })) => return true,
             Ok(Ok(other)) => format!("{op} failed on the peer: {other:?}"),
             Ok(Err(_)) => format!("connection closed during {op}"),
-            Err(_) => format!("no answer to {op} within {:?}", self.resource.peer_timeout),
+            Err(no_answer) => format!("no answer to {op}: {no_answer}"),
         };
         if let Some(slot) = self.peers.iter().find(|s| s.config.name == conn.peer) {
             self.peer_lost(slot, conn, &why);
@@ -945,7 +947,9 @@ impl Shared {
                     length: length as u32,
                 },
             );
-            match tokio::time::timeout(self.resource.peer_timeout, wait).await {
+            let timeout = self.resource.peer_timeout;
+            let deadline = tokio::time::Instant::now() + timeout;
+            match conn.answer_within(wait, deadline, timeout).await {
                 Ok(Ok(Message::ReadReply {
                     status: 0, data, ..
                 })) if data.len() == length => return Some((conn.peer.clone(), data)),
@@ -1185,7 +1189,7 @@ impl Shared {
                 checksums: piece_checksums(&data, REGION_SIZE as usize),
             },
         );
-        let need = match self.await_resync(reply).await? {
+        let need = match self.await_resync(conn, reply).await? {
             Message::ResyncNeed { need, .. } => need,
             Message::ResyncReply { status, .. } => {
                 return Err(format!(
@@ -1226,7 +1230,7 @@ impl Shared {
         }
         slot.resync_sent.fetch_add(sent, Ordering::Relaxed);
         for write in writes {
-            match self.await_resync(write).await? {
+            match self.await_resync(conn, write).await? {
                 Message::ResyncReply {
                     status: ResyncStatus::InSync,
                     ..
@@ -1253,11 +1257,13 @@ impl Shared {
         }
         let epoch = self.next_epoch.fetch_add(1, Ordering::Relaxed);
         let reply = conn.request(WaitKey::Epoch(epoch), Message::Barrier { epoch });
-        match tokio::time::timeout(self.resource.peer_timeout, reply).await {
+        let timeout = self.resource.peer_timeout;
+        let deadline = tokio::time::Instant::now() + timeout;
+        match conn.answer_within(reply, deadline, timeout).await {
             Ok(Ok(Message::BarrierAck { status: 0, .. })) => {}
             Ok(Ok(other)) => return Err(format!("resync flush failed on the peer: {other:?}")),
             Ok(Err(_)) => return Err("connection closed".into()),
-            Err(_) => return Err("resync flush timed out".into()),
+            Err(no_answer) => return Err(format!("resync flush unanswered: {no_answer}")),
         }
         let mut meta = self.meta();
         // Under the metadata lock, as `peer_lost` marks what a lost link missed: once it
@@ -1273,12 +1279,19 @@ impl Shared {
         Ok(())
     }
 
-    /// The target's answer to a resync request, within the peer timeout.
-    async fn await_resync(&self, reply: oneshot::Receiver<Message>) -> Result<Message, String> {
-        match tokio::time::timeout(self.resource.peer_timeout, reply).await {
+    /// The target's answer to a resync request, within the peer timeout (for as long as
+    /// the target shows life: [`PeerConn::answer_within`]).
+    async fn await_resync(
+        &self,
+        conn: &PeerConn,
+        reply: oneshot::Receiver<Message>,
+    ) -> Result<Message, String> {
+        let timeout = self.resource.peer_timeout;
+        let deadline = tokio::time::Instant::now() + timeout;
+        match conn.answer_within(reply, deadline, timeout).await {
             Ok(Ok(message)) => Ok(message),
             Ok(Err(_)) => Err("connection closed".into()),
-            Err(_) => Err("resync reply timed out".into()),
+            Err(no_answer) => Err(format!("resync reply: {no_answer}")),
         }
     }
 

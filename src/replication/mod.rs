@@ -18,8 +18,9 @@
 //! - **Epochs.** A client FLUSH becomes a barrier with an epoch number: a secondary
 //!   waits for every write received before it, makes them durable, then acks the epoch;
 //!   the client's FLUSH reply waits for the local flush and every such ack.
-//! - **Degraded.** A peer that does not ack within `peer_timeout` (or whose connection
-//!   drops) is disconnected; the write succeeds locally, its regions (and every extent in
+//! - **Degraded.** A peer that sends nothing for `peer_timeout` while an answer is due,
+//!   or leaves one unanswered for `KO_COUNT` timeouts (or whose connection drops), is
+//!   disconnected; the write succeeds locally, its regions (and every extent in
 //!   the activity log, which may sit unflushed in the peer's cache) are set in the
 //!   out-of-sync bitmap, and the primary starts a new data generation.
 //! - **Local disk errors.** On the primary a read error is served from an in-sync peer;

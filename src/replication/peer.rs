@@ -74,6 +74,32 @@ pub struct PeerConn {
     /// On a secondary: barriers received from this primary, by epoch, with the flush
     /// generation their arrival began (see [`Shared::flushed_everywhere`]).
     barriers: Mutex<BTreeMap<u64, u64>>,
+    /// Bytes received from the peer so far: the sign of life the waits for its answers
+    /// go by ([`PeerConn::answer_within`]).
+    heard: AtomicU64,
+}
+
+/// How many peer timeouts a request may wait in all for its answer from a peer that keeps
+/// sending (answers to other requests, keepalives) but leaves it unanswered: a peer whose
+/// disk hangs is dropped after this, as DRBD's `ko-count` drops one.
+pub const KO_COUNT: u32 = 10;
+
+/// Why a wait for a peer's answer ended without one.
+#[derive(Debug, PartialEq, Eq)]
+pub enum NoAnswer {
+    /// The peer sent nothing for a whole peer timeout.
+    Silent(Duration),
+    /// The peer kept sending, but not this answer, for [`KO_COUNT`] peer timeouts.
+    TooSlow(Duration),
+}
+
+impl std::fmt::Display for NoAnswer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NoAnswer::Silent(timeout) => write!(f, "the peer sent nothing for {timeout:?}"),
+            NoAnswer::TooSlow(waited) => write!(f, "still unanswered after {waited:?}"),
+        }
+    }
 }
 
 /// What a replicated change costs a peer to apply, as far as the bound on a protocol A
@@ -107,7 +133,50 @@ impl PeerConn {
             closed: watch::channel(false).0,
             peer_bitmap_done: watch::channel(false).0,
             barriers: Mutex::new(BTreeMap::new()),
+            heard: AtomicU64::new(0),
         })
+    }
+
+    /// Counts `bytes` received from the peer.
+    fn heard_from(&self, bytes: usize) {
+        self.heard.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    /// Waits for `answer` from the peer until `deadline`, and then for as long as the
+    /// peer shows life: each time a peer timeout passes without the answer, the wait goes
+    /// on if bytes came from the peer meanwhile, up to [`KO_COUNT`] peer timeouts from
+    /// `deadline - timeout` in all.
+    ///
+    /// Why not one timeout from the request: over a link slower than what is queued on it,
+    /// the answer comes later than a timeout after the request while the peer works
+    /// through the queue, answering earlier requests (and sending keepalives while it
+    /// receives: [`read_frames`]). Timed from the request, a live peer was dropped as
+    /// silent, again and again: 18 times a minute at 10 Mbit/s with 8 MiB queued, and a
+    /// resync of 64 MiB restarted 35 times and never ended (review, session 68).
+    pub async fn answer_within<F: std::future::Future + Unpin>(
+        &self,
+        mut answer: F,
+        deadline: tokio::time::Instant,
+        timeout: Duration,
+    ) -> Result<F::Output, NoAnswer> {
+        let started = deadline - timeout;
+        let give_up = started + timeout * KO_COUNT;
+        let mut deadline = deadline;
+        let mut heard = self.heard.load(Ordering::Relaxed);
+        loop {
+            if let Ok(answered) = tokio::time::timeout_at(deadline, &mut answer).await {
+                return Ok(answered);
+            }
+            let now_heard = self.heard.load(Ordering::Relaxed);
+            if now_heard == heard {
+                return Err(NoAnswer::Silent(timeout));
+            }
+            if deadline >= give_up {
+                return Err(NoAnswer::TooSlow(give_up - started));
+            }
+            heard = now_heard;
+            deadline = (deadline + timeout).min(give_up);
+        }
     }
 
     /// The peer's generations as last reported.
@@ -682,6 +751,12 @@ async fn read_frames<'a>(
     mut stop: watch::Receiver<bool>,
 ) -> String {
     let timeout = shared.resource.peer_timeout;
+    // While bytes arrive, the peer hears from this node at least this often, even when
+    // nothing it sent is answered yet: a keepalive (an unasked `Pong`, which every
+    // version ignores), so that its waits know this node is working through what it sent
+    // ([`PeerConn::answer_within`]). Pings cannot: they queue behind that data.
+    let keepalive_every = timeout / 3;
+    let mut last_keepalive = tokio::time::Instant::now();
     let mut closed = conn.closed.subscribe();
     loop {
         loop {
@@ -707,7 +782,13 @@ async fn read_frames<'a>(
             read = tokio::time::timeout(timeout, reader.read_buf(&mut buf)), if applying.len() < MAX_APPLYING => match read {
                 Err(_) => return format!("silent for {timeout:?}"),
                 Ok(Ok(0)) => return "peer closed the connection".into(),
-                Ok(Ok(_)) => {}
+                Ok(Ok(n)) => {
+                    conn.heard_from(n);
+                    if last_keepalive.elapsed() >= keepalive_every {
+                        last_keepalive = tokio::time::Instant::now();
+                        conn.send(Message::Pong { token: 0 });
+                    }
+                }
                 Ok(Err(e)) => return e.to_string(),
             },
         }
@@ -1129,6 +1210,66 @@ mod tests {
             panic!("the first example is a hello");
         };
         PeerConn::new(&hello, Plan::Source { full: false })
+    }
+
+    /// An answer is waited for while the peer shows life: past the first timeout while
+    /// bytes keep coming, not once they stop, and not past [`KO_COUNT`] timeouts.
+    #[tokio::test(start_paused = true)]
+    async fn an_answer_is_waited_for_while_the_peer_shows_life() {
+        use std::time::Duration;
+        use tokio::time::{sleep, Instant};
+        let timeout = Duration::from_secs(1);
+        // Bytes every 400 ms, the answer after 3.5 s: waited for.
+        let conn = conn();
+        let (tx, rx) = oneshot::channel::<u32>();
+        let talker = {
+            let conn = Arc::clone(&conn);
+            tokio::spawn(async move {
+                for _ in 0..9 {
+                    sleep(Duration::from_millis(400)).await;
+                    conn.heard_from(10);
+                }
+                let _ = tx.send(7);
+            })
+        };
+        let start = Instant::now();
+        let answered = conn.answer_within(rx, start + timeout, timeout).await;
+        assert_eq!(answered.map(|r| r.ok()), Ok(Some(7)));
+        talker.await.unwrap();
+        // Silent: given up one timeout after the last bytes.
+        let (_tx, rx) = oneshot::channel::<u32>();
+        let start = Instant::now();
+        let talker = {
+            let conn = Arc::clone(&conn);
+            tokio::spawn(async move {
+                sleep(Duration::from_millis(500)).await;
+                conn.heard_from(10);
+            })
+        };
+        let answered = conn.answer_within(rx, start + timeout, timeout).await;
+        assert_eq!(answered.unwrap_err(), NoAnswer::Silent(timeout));
+        assert_eq!(
+            start.elapsed(),
+            timeout * 2,
+            "bytes came in the first timeout only"
+        );
+        talker.await.unwrap();
+        // Talking, but never answering: given up after KO_COUNT timeouts.
+        let (_tx, rx) = oneshot::channel::<u32>();
+        let talker = {
+            let conn = Arc::clone(&conn);
+            tokio::spawn(async move {
+                loop {
+                    sleep(Duration::from_millis(300)).await;
+                    conn.heard_from(10);
+                }
+            })
+        };
+        let start = Instant::now();
+        let answered = conn.answer_within(rx, start + timeout, timeout).await;
+        assert_eq!(answered.unwrap_err(), NoAnswer::TooSlow(timeout * KO_COUNT));
+        assert_eq!(start.elapsed(), timeout * KO_COUNT);
+        talker.abort();
     }
 
     fn write(seq: u64, len: usize) -> Message {

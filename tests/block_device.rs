@@ -4,7 +4,8 @@
 //! replicated node on it leaves its metadata for a resync, or with its peer connected
 //! detaches the disk and serves from the peer; a node whose metadata cannot be written
 //! stops writes and says why; a device with unreadable sectors fails each read of them
-//! alone.
+//! alone; a peer whose disk is full is shown so and relinked less often; a FUA write
+//! without space and a file shrunk under its export fail alone.
 
 mod common;
 
@@ -888,6 +889,76 @@ fn a_primary_whose_disk_fails_detaches_it_and_serves_from_its_peer() {
     );
     beta.signal("TERM");
     assert!(beta.wait_exit(Duration::from_secs(30)).unwrap().success());
+}
+
+/// A secondary whose disk is full: the primary goes on degraded and says why, in its log
+/// and in `netblk status`, and relinks less and less often instead of twice a second for
+/// ever (review, session 68: 44 links lost in 22 s, most of them logged as "connection
+/// closed", and status said only "disconnected").
+#[test]
+fn a_peer_whose_disk_is_full_is_shown_so_and_not_relinked_at_once() {
+    if !have("mount") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let small = dir.path().join("small");
+    std::fs::create_dir(&small).unwrap();
+    let _space = Mounted::tmpfs(&small, "8m");
+    let taken = [0, 1].map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap());
+    let [alpha_port, beta_port] = taken.each_ref().map(|l| l.local_addr().unwrap().port());
+    drop(taken);
+    let config = dir.path().join("r0.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[resource]\nname = \"r0\"\nsize = \"64M\"\npeer_timeout = \"1s\"\n\
+             [[node]]\nname = \"alpha\"\nreplication = \"127.0.0.1:{alpha_port}\"\n\
+             listen = \"127.0.0.1:0\"\nbacking = \"memory:64M\"\n\
+             metadata = \"{dir}/alpha.meta\"\n\
+             [[node]]\nname = \"beta\"\nreplication = \"127.0.0.1:{beta_port}\"\n\
+             listen = \"127.0.0.1:0\"\nbacking = \"{small}/beta.img\"\n\
+             metadata = \"{dir}/beta.meta\"\n",
+            dir = dir.path().display(),
+            small = small.display(),
+        ),
+    )
+    .unwrap();
+    let args = ["--config", config.to_str().unwrap(), "--node", "alpha"]
+        .map(String::from)
+        .to_vec();
+    let mut beta_args = args.clone();
+    beta_args[3] = "beta".into();
+    let mut beta = Server::start_expecting(&beta_args, 1);
+    let mut primary = args.clone();
+    primary.push("--primary".into());
+    let mut alpha = Server::start_expecting(&primary, 1);
+    let written = python(
+        r#"
+import nbd, sys
+h = nbd.NBD()
+h.connect_uri(sys.argv[1])
+for i in range(24):
+    h.pwrite(b"\x5a" * (1 << 20), i << 20)
+h.flush()
+print("written")
+"#,
+        &[&alpha.uri()],
+    );
+    assert_eq!(written, "written\n", "{}", alpha.stderr());
+    std::thread::sleep(Duration::from_secs(6));
+    let shown = node_status(&args, &[]);
+    assert!(
+        shown.contains("link lost: ") && shown.contains("ENOSPC"),
+        "{shown}\n{}",
+        alpha.stderr()
+    );
+    let log = alpha.stderr();
+    let lost = log.lines().filter(|l| l.contains("peer lost")).count();
+    assert!(lost <= 6, "{lost} links lost in about 6 s:\n{log}");
+    alpha.signal("TERM");
+    assert!(alpha.wait_exit(Duration::from_secs(30)).unwrap().success());
+    beta.signal("TERM");
+    let _ = beta.wait_exit(Duration::from_secs(30));
 }
 
 /// `netblk serve`'s arguments for alpha of [`alpha_of_two_nodes`], in page-cache mode on

@@ -81,6 +81,9 @@ pub struct PeerStatus {
     /// brain, another primary, a different size...), until a link is made.
     #[serde(default)]
     pub refused: Option<String>,
+    /// Why the last link with this peer ended, while it is disconnected.
+    #[serde(default)]
+    pub lost: Option<String>,
 }
 
 impl PeerStatus {
@@ -157,6 +160,10 @@ impl Shared {
                                 .unwrap_or_else(|e| e.into_inner())
                                 .clone()
                         })
+                        .flatten(),
+                    lost: conn
+                        .is_none()
+                        .then(|| slot.lost.lock().unwrap_or_else(|e| e.into_inner()).clone())
                         .flatten(),
                 }
             })
@@ -389,6 +396,8 @@ pub fn render(status: &Status) -> String {
         text.push_str(&format!("  peer {}: {}", peer.name, peer.link));
         if let Some(why) = &peer.refused {
             text.push_str(&format!(" (refused: {why})"));
+        } else if let Some(why) = &peer.lost {
+            text.push_str(&format!(" (link lost: {why})"));
         }
         text.push_str(&format!(", {} bytes out of sync", peer.out_of_sync_bytes));
         if peer.replicating {

@@ -111,6 +111,11 @@ pub struct PeerSlot {
     /// rather than at every retry (review, session 66: a split brain showed only as
     /// "disconnected", and was logged twice a second by each side, for ever).
     pub refused: Mutex<Option<String>>,
+    /// Why the last link with this peer ended, when this node knows more than that it
+    /// closed (the peer's disk failed a write, it went silent): `netblk status` shows it
+    /// while the peer is disconnected (review, session 68: a peer whose disk was full
+    /// showed only as "disconnected").
+    pub lost: Mutex<Option<String>>,
 }
 
 impl PeerSlot {
@@ -203,6 +208,7 @@ impl Shared {
                 resync_finished: AtomicBool::new(false),
                 announced_primary: AtomicBool::new(false),
                 refused: Mutex::new(None),
+                lost: Mutex::new(None),
             })
             .collect();
         Ok(Arc::new(Shared {
@@ -453,6 +459,7 @@ impl Shared {
         let was_replicating = conn.replicating.swap(false, Ordering::AcqRel);
         *current = None;
         drop(current);
+        *slot.lost.lock().unwrap_or_else(|e| e.into_inner()) = Some(why.to_string());
         conn.close();
         // While a demotion drains, this node is no longer primary but writes may still be
         // in flight to the peer: those count as a primary's.
@@ -1193,7 +1200,7 @@ impl Shared {
             Message::ResyncNeed { need, .. } => need,
             Message::ResyncReply { status, .. } => {
                 return Err(format!(
-                    "peer could not compare offset {offset}: {status:?}"
+                    "the peer could not compare offset {offset}: {status}"
                 ))
             }
             other => return Err(format!("unexpected {} during resync", other.name())),
@@ -1236,7 +1243,9 @@ impl Shared {
                     ..
                 } => {}
                 Message::ResyncReply { status, .. } => {
-                    return Err(format!("peer could not resync offset {offset}: {status:?}"))
+                    return Err(format!(
+                        "the peer's disk could not take offset {offset}: {status}"
+                    ))
                 }
                 other => return Err(format!("unexpected {} during resync", other.name())),
             }

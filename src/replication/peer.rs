@@ -77,6 +77,9 @@ pub struct PeerConn {
     /// Bytes received from the peer so far: the sign of life the waits for its answers
     /// go by ([`PeerConn::answer_within`]).
     heard: AtomicU64,
+    /// Why this end closed the connection, when it knows better than "connection closed"
+    /// (the peer's disk failed a write): what the lost link is logged and shown with.
+    close_reason: Mutex<Option<String>>,
 }
 
 /// How many peer timeouts a request may wait in all for its answer from a peer that keeps
@@ -134,7 +137,25 @@ impl PeerConn {
             peer_bitmap_done: watch::channel(false).0,
             barriers: Mutex::new(BTreeMap::new()),
             heard: AtomicU64::new(0),
+            close_reason: Mutex::new(None),
         })
+    }
+
+    /// Closes the connection, saying why ([`PeerConn::close_reason`]).
+    pub fn close_because(&self, reason: String) {
+        self.close_reason
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_or_insert(reason);
+        self.close();
+    }
+
+    /// Why this end closed the connection, if it said.
+    pub fn close_reason(&self) -> Option<String> {
+        self.close_reason
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Counts `bytes` received from the peer.
@@ -286,8 +307,11 @@ impl PeerConn {
         // The peer failed to apply a write. Under protocol A or B nobody may be waiting for
         // this answer, so the connection ends here; the write stays in flight, and the
         // peer-lost path marks it (with the hot extents) out of sync.
-        let failed_write = matches!(message, Message::Ack { status, .. } if status != 0);
-        if let (WaitKey::Seq(seq), false) = (key, failed_write) {
+        let failed_write = match message {
+            Message::Ack { status, .. } if status != 0 => Some(status),
+            _ => None,
+        };
+        if let (WaitKey::Seq(seq), None) = (key, failed_write) {
             let acked = self
                 .in_flight
                 .lock()
@@ -305,8 +329,9 @@ impl PeerConn {
         if let Some(waiter) = waiter {
             let _ = waiter.send(message);
         }
-        if failed_write {
-            self.close();
+        if let Some(status) = failed_write {
+            let errno = crate::wire::NbdError::from_errno(status as i32);
+            self.close_because(format!("the peer's disk failed a write ({errno})"));
         }
     }
 }
@@ -362,15 +387,31 @@ async fn dial_loop(shared: Arc<Shared>, index: usize, mut stop: watch::Receiver<
     let peer = &shared.peers[index].config.name;
     // The first failure after a success (or at start) is a warning, the retries debug.
     let mut failing = false;
+    // After links that end soon after they are made (the peer's disk refuses every write,
+    // it refuses the link), the next dial waits longer, doubling up to RELINK_MOST: a
+    // peer whose disk was full was relinked, resynced from 0 and lost twice a second for
+    // ever, with a warning on each node each time (review, session 68).
+    let mut relink = retry;
     loop {
         if *stop.borrow() {
             return;
         }
         let connecting = shared.tcp.connect(addr, from);
+        let mut wait = retry;
         let failed = match tokio::time::timeout(shared.resource.peer_timeout, connecting).await {
             Ok(Ok(stream)) => {
                 failing = false;
+                let linked = tokio::time::Instant::now();
                 run_connection(Arc::clone(&shared), stream, addr, Some(index), stop.clone()).await;
+                relink = if linked.elapsed() < SHORT_LINK {
+                    (relink * 2).min(RELINK_MOST)
+                } else {
+                    retry
+                };
+                wait = relink;
+                if wait > retry {
+                    debug!(%peer, "the link ended soon after it was made: next dial in {wait:?}");
+                }
                 None
             }
             Ok(Err(e)) => Some(format!("connecting to {addr}: {e}")),
@@ -386,10 +427,15 @@ async fn dial_loop(shared: Arc<Shared>, index: usize, mut stop: watch::Receiver<
         }
         tokio::select! {
             _ = stop.wait_for(|s| *s) => return,
-            _ = tokio::time::sleep(retry) => {}
+            _ = tokio::time::sleep(wait) => {}
         }
     }
 }
+
+/// A link that ends sooner than this after it was made makes the next dial wait longer.
+const SHORT_LINK: Duration = Duration::from_secs(10);
+/// The longest wait before dialing a peer again after short links.
+const RELINK_MOST: Duration = Duration::from_secs(10);
 
 fn our_hello(shared: &Shared) -> Hello {
     let (disk, generations) = shared.local_state();
@@ -771,7 +817,9 @@ async fn read_frames<'a>(
         }
         tokio::select! {
             _ = stop.wait_for(|s| *s) => return "this node is stopping".into(),
-            _ = closed.wait_for(|c| *c) => return "connection closed".into(),
+            _ = closed.wait_for(|c| *c) => {
+                return conn.close_reason().unwrap_or_else(|| "connection closed".into())
+            }
             Some(reply) = applying.next(), if !applying.is_empty() => {
                 if let Ok(reply) = reply {
                     conn.send(reply);

@@ -66,6 +66,19 @@ pub enum ResyncStatus {
     Failed(u32),
 }
 
+impl std::fmt::Display for ResyncStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ResyncStatus::InSync => f.write_str("in sync"),
+            ResyncStatus::Failed(code) => write!(
+                f,
+                "failed ({})",
+                crate::wire::NbdError::from_errno(*code as i32)
+            ),
+        }
+    }
+}
+
 /// What a resync and an online verify compare instead of the data: a 128-bit hash
 /// (XXH3-128).
 ///

@@ -63,7 +63,7 @@ cc -O2 -Wall -Wextra -Werror -o "$c_scratch/copy_alignment" bench/copy_alignment
 if [ "$fuzz_seconds" -gt 0 ]; then
   if rustup toolchain list 2>/dev/null | grep -q '^nightly'; then
     command -v cargo-fuzz >/dev/null || cargo install --locked cargo-fuzz
-    for target in handshake requests peer; do
+    for target in handshake requests peer metrics; do
       echo "== fuzz $target for ${fuzz_seconds}s"
       scratch="$fuzz_scratch/$target"
       mkdir "$scratch"

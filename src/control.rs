@@ -54,6 +54,9 @@ pub struct ExportStatus {
     pub flush_stopped: Option<String>,
     /// Connections using this export.
     pub clients: usize,
+    /// What the export has served since the server started.
+    #[serde(default)]
+    pub requests: crate::metrics::RequestCounts,
 }
 
 /// Binds the control socket; a stale socket file (nobody listening) is replaced, and
@@ -246,6 +249,19 @@ pub fn render_server(status: &ServerStatus) -> String {
                 "    flushes fail: a sync of the backing failed ({why})\n"
             ));
         }
+        let r = &export.requests;
+        text.push_str(&format!(
+            "    served: {} reads ({} bytes), {} writes ({} bytes), {} flushes, {} trims, {} zeroings, {} other, {} refused\n",
+            r.read,
+            r.read_bytes,
+            r.write,
+            r.written_bytes,
+            r.flush,
+            r.trim,
+            r.write_zeroes,
+            r.cache + r.block_status,
+            r.refused
+        ));
     }
     for client in &status.clients {
         let on = client
@@ -365,6 +381,16 @@ mod tests {
                     cache: None,
                     flush_stopped: None,
                     clients: 1,
+                    requests: crate::metrics::RequestCounts {
+                        read: 3,
+                        read_bytes: 12288,
+                        write: 1,
+                        written_bytes: 4096,
+                        flush: 1,
+                        block_status: 2,
+                        refused: 1,
+                        ..Default::default()
+                    },
                 },
                 ExportStatus {
                     name: "disk0".into(),
@@ -374,6 +400,7 @@ mod tests {
                     cache: Some("none".into()),
                     flush_stopped: Some("Input/output error (os error 5)".into()),
                     clients: 0,
+                    requests: Default::default(),
                 },
             ],
             clients: vec![
@@ -393,8 +420,10 @@ mod tests {
             render_server(&status),
             "server up 12 s: 2 exports, 2 clients\n\
              \x20 export \"\" (memory:16777216): 16777216 bytes, read-write, 1 client\n\
+             \x20   served: 3 reads (12288 bytes), 1 writes (4096 bytes), 1 flushes, 0 trims, 0 zeroings, 2 other, 1 refused\n\
              \x20 export \"disk0\" (/dev/loop0, cache none): 1073741824 bytes, read-only, 0 clients\n\
              \x20   flushes fail: a sync of the backing failed (Input/output error (os error 5))\n\
+             \x20   served: 0 reads (0 bytes), 0 writes (0 bytes), 0 flushes, 0 trims, 0 zeroings, 0 other, 0 refused\n\
              \x20 client 127.0.0.1:40000: export \"\", connected 10 s\n\
              \x20 client unix:/run/netblk.sock: negotiating, connected 0 s\n"
         );

@@ -25,11 +25,11 @@ fn run_connection(input: Vec<u8>) {
         .build()
         .expect("runtime");
     runtime.block_on(async move {
-        let export = Arc::new(Export {
-            name: String::new(),
-            description: "fuzz".into(),
-            backend: Arc::new(MemoryBackend::new(FUZZ_EXPORT_SIZE, false)),
-        });
+        let export = Arc::new(Export::new(
+            String::new(),
+            "fuzz".into(),
+            Arc::new(MemoryBackend::new(FUZZ_EXPORT_SIZE, false)),
+        ));
         let config = Arc::new(ServerConfig {
             exports: vec![export],
             handshake_timeout: Duration::from_secs(5),
@@ -165,6 +165,19 @@ fn fuzz_node() -> &'static Arc<crate::replication::layer::Shared> {
         let _ = std::fs::remove_dir_all(&dir);
         node
     })
+}
+
+/// Parses arbitrary bytes as a request head to the metrics endpoint
+/// ([`crate::metrics::parse_request`]), whole and as each prefix a slow client's reads
+/// could hand it.
+pub fn metrics_request(data: &[u8]) {
+    let data = &data[..data.len().min(16 * 1024)];
+    for end in (0..=data.len())
+        .step_by(97)
+        .chain(std::iter::once(data.len()))
+    {
+        let _ = crate::metrics::parse_request(&data[..end]);
+    }
 }
 
 /// Seed inputs for the targets, built with the library's own codec: (target, name, bytes).
@@ -331,6 +344,20 @@ pub fn seed_corpus() -> Vec<(&'static str, String, Vec<u8>)> {
         message.encode(&mut all_kinds);
     }
     seeds.push(("peer", "peer-all-kinds".into(), all_kinds.to_vec()));
+    for (name, head) in [
+        (
+            "get",
+            "GET /metrics HTTP/1.1\r\nHost: netblk:9810\r\nAccept: */*\r\n\r\n",
+        ),
+        ("head-query", "HEAD /metrics?x=1 HTTP/1.0\r\n\r\n"),
+        ("post", "POST / HTTP/1.1\r\nContent-Length: 0\r\n\r\n"),
+    ] {
+        seeds.push((
+            "metrics",
+            format!("metrics-{name}"),
+            head.as_bytes().to_vec(),
+        ));
+    }
     seeds
 }
 
@@ -379,6 +406,18 @@ mod tests {
         );
         for input in inputs {
             handshake(&input);
+        }
+    }
+
+    #[test]
+    fn metrics_corpus_replays_without_panics() {
+        let inputs = corpus("metrics");
+        assert!(
+            !inputs.is_empty(),
+            "the metrics corpus is committed under fuzz/corpus"
+        );
+        for input in inputs {
+            metrics_request(&input);
         }
     }
 

@@ -18,6 +18,7 @@
 //!   resource file, peer protocol and crash-safe metadata.
 //! - [`buffer`]: the pool of large I/O buffers (no allocation per request on the hot path).
 //! - [`log_limit`]: the rate limit on warnings that every failed request would log.
+//! - [`metrics`]: what each export served, and the Prometheus endpoint (`--metrics`).
 //! - [`size`]: `512K`/`1G`-style sizes; [`fuzzing`]: entry points for the fuzz targets;
 //!   [`loadgen`]: a client for the benchmark whose cost per request does not grow with depth.
 //!
@@ -40,6 +41,7 @@ pub mod idle;
 pub mod listen;
 pub mod loadgen;
 pub mod log_limit;
+pub mod metrics;
 pub mod replication;
 pub mod server;
 pub mod size;

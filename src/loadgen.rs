@@ -357,11 +357,11 @@ mod tests {
                     .send(listener.local_addr().unwrap().to_string())
                     .unwrap();
                 let config = ServerConfig {
-                    exports: vec![Arc::new(Export {
-                        name: String::new(),
-                        description: String::new(),
-                        backend: Arc::new(MemoryBackend::new(size, false)) as Arc<dyn Backend>,
-                    })],
+                    exports: vec![Arc::new(Export::new(
+                        String::new(),
+                        String::new(),
+                        Arc::new(MemoryBackend::new(size, false)) as Arc<dyn Backend>,
+                    ))],
                     handshake_timeout: Duration::from_secs(10),
                     max_merge: DEFAULT_MAX_MERGE,
                     max_connections: crate::server::DEFAULT_MAX_CONNECTIONS,

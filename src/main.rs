@@ -190,6 +190,13 @@ struct ServeArgs {
     #[arg(long, value_name = "PATH", conflicts_with = "node")]
     control: Option<PathBuf>,
 
+    /// Serve metrics for Prometheus at http://HOST:PORT/metrics: requests and bytes per
+    /// export, clients, I/O errors, whether FLUSH still works, and a replicated node's role,
+    /// disk state, peers and resync progress. Plain HTTP with no authentication: bind it to
+    /// a local or management address. Example: --metrics 127.0.0.1:9810
+    #[arg(long, value_name = "HOST:PORT")]
+    metrics: Option<String>,
+
     /// Worker threads that serve connections (default: one per CPU). Example: --threads 2
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
     threads: Option<u16>,
@@ -350,11 +357,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
             BackingSpec::Memory { size } => (format!("memory:{size}"), false),
             BackingSpec::Path(path) => (path.display().to_string(), true),
         };
-        let opened_export = Arc::new(Export {
-            name: export.name,
-            description: export.description,
-            backend,
-        });
+        let opened_export = Arc::new(Export::new(export.name, export.description, backend));
         described.push(ExportDescription {
             export: Arc::clone(&opened_export),
             backing,
@@ -400,7 +403,18 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         if let Some((_, path)) = &control {
             leftovers.0.push(path.clone());
         }
+        let metrics = match &args.metrics {
+            Some(addr) => Some(netblk::metrics::bind(addr).await?),
+            None => None,
+        };
         let mut stdout = std::io::stdout().lock();
+        if let Some(metrics) = &metrics {
+            writeln!(
+                stdout,
+                "metrics on http://{}/metrics",
+                metrics.local_addr()?
+            )?;
+        }
         for listener in &listeners {
             writeln!(stdout, "listening on {}", listener.describe())?;
         }
@@ -410,12 +424,23 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         leftovers.0.clear();
         let clients: Arc<Clients> = Default::default();
         let (stop_control, control_stopped) = tokio::sync::watch::channel(false);
+        let state = Arc::new(ServerState {
+            exports: described,
+            clients: Arc::clone(&clients),
+            started: std::time::Instant::now(),
+        });
+        let metrics = metrics.map(|listener| {
+            let state = Arc::clone(&state);
+            tokio::spawn(netblk::metrics::serve(
+                listener,
+                control_stopped.clone(),
+                move || {
+                    let text = netblk::metrics::render_server(&state.status());
+                    std::future::ready(text)
+                },
+            ))
+        });
         let control = control.map(|(listener, path)| {
-            let state = Arc::new(ServerState {
-                exports: described,
-                clients: Arc::clone(&clients),
-                started: std::time::Instant::now(),
-            });
             tokio::spawn(run_control(state, listener, path, control_stopped))
         });
         let config = ServerConfig {
@@ -431,6 +456,9 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         if let Some(control) = control {
             // It removes its socket file as it ends.
             let _ = control.await;
+        }
+        if let Some(metrics) = metrics {
+            let _ = metrics.await;
         }
         served
     })
@@ -525,8 +553,17 @@ fn run_replicated(args: &ServeArgs, path: &std::path::Path) -> anyhow::Result<()
     runtime.block_on(async move {
         let shutdown = shutdown_signal()?;
         let powercut = args.fault_injection.as_deref() == Some("powercut");
-        let node = Node::bind(resource, &name, primary, client_options, powercut, tcp).await?;
+        let mut node = Node::bind(resource, &name, primary, client_options, powercut, tcp).await?;
         let mut stdout = std::io::stdout().lock();
+        if let Some(addr) = &args.metrics {
+            let listener = netblk::metrics::bind(addr).await?;
+            writeln!(
+                stdout,
+                "metrics on http://{}/metrics",
+                listener.local_addr()?
+            )?;
+            node.serve_metrics(listener);
+        }
         writeln!(stdout, "listening on {}", node.client_listener())?;
         writeln!(stdout, "replicating on {}", node.replication_listener())?;
         stdout.flush()?;

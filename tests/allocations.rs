@@ -174,11 +174,7 @@ fn allocations_per_request(backend: Arc<dyn Backend>, kind: Kind, load: &Load) -
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let config = ServerConfig {
-            exports: vec![Arc::new(Export {
-                name: String::new(),
-                description: String::new(),
-                backend,
-            })],
+            exports: vec![Arc::new(Export::new(String::new(), String::new(), backend))],
             handshake_timeout: std::time::Duration::from_secs(10),
             max_merge: DEFAULT_MAX_MERGE,
             max_connections: netblk::server::DEFAULT_MAX_CONNECTIONS,

@@ -125,11 +125,11 @@ fn acknowledged_writes_survive_a_power_cut_that_keeps_any_subset_of_the_cache() 
                 let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
                 let addr = listener.local_addr().unwrap().to_string();
                 let config = ServerConfig {
-                    exports: vec![Arc::new(Export {
-                        name: String::new(),
-                        description: String::new(),
-                        backend: Arc::clone(&layer) as Arc<dyn Backend>,
-                    })],
+                    exports: vec![Arc::new(Export::new(
+                        String::new(),
+                        String::new(),
+                        Arc::clone(&layer) as Arc<dyn Backend>,
+                    ))],
                     handshake_timeout: Duration::from_secs(10),
                     max_merge: DEFAULT_MAX_MERGE,
                     max_connections: netblk::server::DEFAULT_MAX_CONNECTIONS,

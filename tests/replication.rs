@@ -1277,3 +1277,63 @@ fn a_slow_link_is_not_taken_for_a_dead_peer() {
     secondary.stop();
     assert_same_files(&dir.path().join("alpha.img"), &dir.path().join("beta.img"));
 }
+
+/// A node's `--metrics` shows its role, disk state and peers beside its export's
+/// requests: the primary's peer connected and replicating with nothing out of sync, then,
+/// the secondary stopped, disconnected with what it misses counted.
+#[test]
+fn a_nodes_metrics_show_its_role_and_peers() {
+    if !have("qemu-io") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair(dir.path());
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let primary = start_node_with(&config, "alpha", true, &["--metrics", &metrics]);
+    let secondary = start_node(&config, "beta", false);
+    wait_for_log(
+        "secondary",
+        || secondary.stderr(),
+        "in sync with the primary",
+        1,
+    );
+    let scrape = || {
+        use std::io::{Read, Write};
+        let mut stream = std::net::TcpStream::connect(&metrics).unwrap();
+        stream.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+        let mut text = String::new();
+        stream.read_to_string(&mut text).unwrap();
+        text
+    };
+    let out = qemu_io(&primary.uri(), &["write -P 0xab 0 1M", "flush"]);
+    assert!(out.status.success(), "{out:?}");
+    let text = scrape();
+    let me = "resource=\"r0\",node=\"alpha\"";
+    for line in [
+        format!("netblk_replication_primary{{{me}}} 1\n"),
+        format!("netblk_replication_disk_state{{{me},state=\"UpToDate\"}} 1\n"),
+        format!("netblk_replication_peer_connected{{{me},peer=\"beta\"}} 1\n"),
+        format!("netblk_replication_peer_replicating{{{me},peer=\"beta\"}} 1\n"),
+        format!("netblk_replication_peer_out_of_sync_bytes{{{me},peer=\"beta\"}} 0\n"),
+        "netblk_export_written_bytes_total{export=\"\"} 1048576\n".to_string(),
+    ] {
+        assert!(text.contains(&line), "{line:?} not in:\n{text}");
+    }
+    assert!(secondary.stop().success());
+    let out = qemu_io(&primary.uri(), &["write -P 0xcd 0 64k"]);
+    assert!(out.status.success(), "{out:?}");
+    let text = scrape();
+    assert!(
+        text.contains(&format!(
+            "netblk_replication_peer_connected{{{me},peer=\"beta\"}} 0\n"
+        )),
+        "{text}"
+    );
+    assert!(
+        !text.contains(&format!(
+            "netblk_replication_peer_out_of_sync_bytes{{{me},peer=\"beta\"}} 0\n"
+        )),
+        "{text}"
+    );
+    assert!(primary.stop().success());
+}

@@ -28,6 +28,8 @@ pub struct Node {
     client_options: ClientOptions,
     /// `--primary`: take the primary role once the peers have been heard from.
     take_primary: bool,
+    /// `--metrics`: where to serve the node's metrics ([`crate::metrics`]).
+    metrics: Option<TcpListener>,
 }
 
 impl Node {
@@ -88,7 +90,13 @@ impl Node {
             control_path: me.control,
             client_options,
             take_primary: primary,
+            metrics: None,
         })
+    }
+
+    /// Serves the node's metrics on `listener` once it runs ([`Node::serve`]).
+    pub fn serve_metrics(&mut self, listener: TcpListener) {
+        self.metrics = Some(listener);
     }
 
     /// The NBD listener, as the plain server prints it.
@@ -134,15 +142,36 @@ impl Node {
                 }
             }
         }
-        let export = Arc::new(Export {
-            name: String::new(),
-            description: format!(
+        let export = Arc::new(Export::new(
+            String::new(),
+            format!(
                 "replicated resource {} on node {}",
                 self.shared.resource.name, self.shared.node
             ),
-            backend: Arc::new(ReplicatedBackend {
+            Arc::new(ReplicatedBackend {
                 shared: Arc::clone(&self.shared),
             }),
+        ));
+        let clients: Arc<crate::server::clients::Clients> = Default::default();
+        let metrics = self.metrics.map(|listener| {
+            let state = Arc::new(crate::server::control::ServerState {
+                exports: vec![crate::server::control::ExportDescription {
+                    export: Arc::clone(&export),
+                    backing: format!("replicated resource {}", self.shared.resource.name),
+                    on_disk: false,
+                }],
+                clients: Arc::clone(&clients),
+                started: std::time::Instant::now(),
+            });
+            let shared = Arc::clone(&self.shared);
+            tokio::spawn(crate::metrics::serve(
+                listener,
+                stop_rx.clone(),
+                move || {
+                    let text = crate::metrics::render_node(&state.status(), &shared.status());
+                    std::future::ready(text)
+                },
+            ))
         });
         let config = ServerConfig {
             exports: vec![export],
@@ -150,7 +179,7 @@ impl Node {
             max_merge: self.client_options.max_merge,
             max_connections: self.client_options.max_connections,
             tcp: self.shared.tcp.clone(),
-            clients: Default::default(),
+            clients,
         };
         let result = if stopped_early {
             serve(vec![self.clients], config, std::future::ready(())).await
@@ -162,6 +191,9 @@ impl Node {
         let _ = stop_tx.send(true);
         let _ = replication.await;
         let _ = control.await;
+        if let Some(metrics) = metrics {
+            let _ = metrics.await;
+        }
         tokio::time::sleep(Duration::from_millis(50)).await;
         // A secondary applied its primary's writes until the link ended, after the last
         // barrier it took: made durable here before the metadata says the stop was clean

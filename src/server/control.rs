@@ -57,6 +57,7 @@ impl ServerState {
                         .iter()
                         .filter(|c| c.export.as_ref() == Some(name))
                         .count(),
+                    requests: described.export.stats.counts(),
                 }
             })
             .collect();
@@ -108,11 +109,11 @@ mod tests {
     #[test]
     fn status_lists_exports_with_their_clients_and_refuses_node_commands() {
         let export = |name: &str, read_only| {
-            Arc::new(Export {
-                name: name.into(),
-                description: String::new(),
-                backend: Arc::new(MemoryBackend::new(1 << 20, read_only)),
-            })
+            Arc::new(Export::new(
+                name.into(),
+                String::new(),
+                Arc::new(MemoryBackend::new(1 << 20, read_only)),
+            ))
         };
         let clients = Arc::new(Clients::default());
         let state = ServerState {

@@ -43,9 +43,21 @@ pub struct Export {
     pub name: String,
     pub description: String,
     pub backend: Arc<dyn Backend>,
+    /// What its connections have served ([`crate::metrics`]).
+    pub stats: crate::metrics::ExportStats,
 }
 
 impl Export {
+    /// An export of `backend` under `name`, with nothing served yet.
+    pub fn new(name: String, description: String, backend: Arc<dyn Backend>) -> Export {
+        Export {
+            name,
+            description,
+            backend,
+            stats: Default::default(),
+        }
+    }
+
     /// The transmission flags for this export on a connection.
     pub fn transmission_flags(&self, chunked_replies: bool) -> u16 {
         self.backend

@@ -375,12 +375,19 @@ pub async fn run<S: Stream>(
         splice_probe: SpliceProbe::default(),
         on_device,
         after_large_payload: false,
+        tally: Default::default(),
+        export: Arc::clone(&negotiated.export),
     };
     let mut stopped = Box::pin(async move {
         let _ = stop.wait_for(|s| *s).await;
     });
-    let result =
-        std::future::poll_fn(|cx| pipeline.poll(cx, Pin::new(&mut stream), stopped.as_mut())).await;
+    let result = std::future::poll_fn(|cx| {
+        let polled = pipeline.poll(cx, Pin::new(&mut stream), stopped.as_mut());
+        // Once per poll, not per request: one shared add for all a read brought in.
+        pipeline.tally.publish(&pipeline.export.stats);
+        polled
+    })
+    .await;
     // How long the end may wait for replies still in the socket's send queue: not at all
     // once the socket failed or the client stopped reading them at a stop, else up to the
     // drain's bound, counted from the stop if there was one. Other errors (a failed read
@@ -651,6 +658,10 @@ struct Pipeline {
     ending: String,
     /// The client sent NBD_CMD_DISC: it sends nothing more.
     disconnect_received: bool,
+    /// What this connection served since it last told its export ([`crate::metrics`]).
+    tally: crate::metrics::Tally,
+    /// The export, whose counts the tally goes to.
+    export: Arc<super::Export>,
     /// Payload bytes of a refused request still to throw away.
     discard_left: u64,
     /// The refusal of that request, sent once its payload is skipped: libnbd files a
@@ -732,6 +743,7 @@ impl Pipeline {
     }
 
     fn queue_error(&mut self, header: &RequestHeader, error: NbdError) {
+        self.tally.refused();
         warn_limited!(
             REFUSED_REQUESTS,
             command = header.command,
@@ -972,6 +984,7 @@ impl Pipeline {
             let verdict = validate(&header, &self.limits);
             if let Ok(command) = &verdict {
                 self.flush_ahead.request(command);
+                self.tally.accepted(header.command, header.length);
             }
             let payload_len = header.payload_len(self.limits.style);
             if payload_len > 0 {
@@ -1841,6 +1854,7 @@ fn read_done_message(enc: ReplyEncoder) -> Outgoing {
 
 /// The message that reports a backend error, logged.
 fn error_message(enc: ReplyEncoder, e: &BackendError, release: u64) -> Outgoing {
+    crate::metrics::note_io_error();
     warn_limited!(FAILED_REQUESTS, "{e}");
     let mut header = ReplyHeader::new();
     enc.error(&mut header, e.errno, &e.to_string());
@@ -2063,6 +2077,7 @@ fn read_piece_replies(
         data,
     } = piece;
     if let Err(e) = &data {
+        crate::metrics::note_io_error();
         warn_limited!(FAILED_REQUESTS, "{e}");
     }
     let (last, error) = streams.piece_done(stream, data.as_ref().err());
@@ -2149,6 +2164,7 @@ fn poll_later_piece(
             Poll::Ready(Ok(()))
         }
         Poll::Ready(Err(e)) if later.chunk.is_some() => {
+            crate::metrics::note_io_error();
             warn_limited!(FAILED_REQUESTS, "{e}");
             let enc = later.chunk.expect("matched above");
             enc.error_at(&mut message.header, e.errno, &e.to_string(), later.offset);
@@ -3255,11 +3271,7 @@ mod tests {
         C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
         S: Stream,
     {
-        let export = Arc::new(Export {
-            name: String::new(),
-            description: String::new(),
-            backend,
-        });
+        let export = Arc::new(Export::new(String::new(), String::new(), backend));
         let config = Arc::new(ServerConfig {
             exports: vec![export],
             handshake_timeout: Duration::from_secs(5),

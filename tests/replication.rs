@@ -966,6 +966,9 @@ fn a_demote_during_the_primary_wait_keeps_the_node_secondary() {
 /// Two namespaces joined by a veth pair, removed on drop.
 struct Namespaces {
     names: [String; 2],
+    /// The veth pair's ends, in the first and the second namespace; named with the tag,
+    /// as the namespaces are, so that tests running at once do not collide.
+    veths: [String; 2],
 }
 
 impl Namespaces {
@@ -990,12 +993,13 @@ impl Namespaces {
             eprintln!("skipping: `ip netns add` is not available here (needs root and iproute2)");
             return None;
         }
-        let ns = Namespaces { names };
+        let veths = [format!("v{tag}{id}a"), format!("v{tag}{id}b")];
+        let ns = Namespaces { names, veths };
         let [a, b] = &ns.names;
-        let (va, vb) = (format!("v{id}a"), format!("v{id}b"));
+        let [va, vb] = &ns.veths;
         let steps: Vec<Vec<&str>> = vec![
             vec!["netns", "add", b],
-            vec!["link", "add", &va, "type", "veth", "peer", "name", &vb],
+            vec!["link", "add", va, "type", "veth", "peer", "name", vb],
             vec!["link", "set", &va, "netns", a],
             vec!["link", "set", &vb, "netns", b],
             vec!["-n", a, "addr", "add", "10.231.0.1/24", "dev", &va],
@@ -1075,15 +1079,9 @@ impl Drop for NsNode {
     }
 }
 
-#[test]
-fn replication_across_two_network_namespaces() {
-    if !have("qemu-io") {
-        return;
-    }
-    let Some(ns) = Namespaces::create("r") else {
-        return;
-    };
-    let dir = tempfile::tempdir().unwrap();
+/// Alpha (primary) in the first namespace and beta in the second, files under `dir`,
+/// once beta is in sync.
+fn pair_in_sync_in(ns: &Namespaces, dir: &Path) -> (NsNode, NsNode) {
     let nodes = [
         NodeSpec {
             name: "alpha",
@@ -1096,27 +1094,28 @@ fn replication_across_two_network_namespaces() {
             listen: "10.231.0.2:10809".into(),
         },
     ];
-    let config = resource_file(dir.path(), "r0", &nodes);
-    let primary = NsNode::start(
-        &ns.names[0],
-        &config,
-        "alpha",
-        true,
-        dir.path().join("a.log"),
-    );
-    let secondary = NsNode::start(
-        &ns.names[1],
-        &config,
-        "beta",
-        false,
-        dir.path().join("b.log"),
-    );
+    let config = resource_file(dir, "r0", &nodes);
+    let primary = NsNode::start(&ns.names[0], &config, "alpha", true, dir.join("a.log"));
+    let secondary = NsNode::start(&ns.names[1], &config, "beta", false, dir.join("b.log"));
     wait_for_log(
         "secondary",
         || secondary.stderr(),
         "in sync with the primary",
         1,
     );
+    (primary, secondary)
+}
+
+#[test]
+fn replication_across_two_network_namespaces() {
+    if !have("qemu-io") {
+        return;
+    }
+    let Some(ns) = Namespaces::create("r") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (primary, secondary) = pair_in_sync_in(&ns, dir.path());
     let out = Command::new("ip")
         .args(["netns", "exec", &ns.names[0], "qemu-io", "-f", "raw"])
         .args([
@@ -1134,8 +1133,7 @@ fn replication_across_two_network_namespaces() {
     // Cut the link: the client waits at most about the peer timeout, then the primary
     // goes on degraded; when the link returns, the peer is resynced.
     let link = |state: &str| {
-        let veth = format!("v{}a", std::process::id() % 100_000);
-        run(Command::new("ip").args(["-n", &ns.names[0], "link", "set", &veth, state]));
+        run(Command::new("ip").args(["-n", &ns.names[0], "link", "set", &ns.veths[0], state]));
     };
     // fio writes and verifies through the primary while the link is cut under it.
     let fio = Command::new("ip")
@@ -1208,44 +1206,12 @@ fn a_slow_link_is_not_taken_for_a_dead_peer() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let nodes = [
-        NodeSpec {
-            name: "alpha",
-            replication: "10.231.0.1:7788".into(),
-            listen: "10.231.0.1:10809".into(),
-        },
-        NodeSpec {
-            name: "beta",
-            replication: "10.231.0.2:7788".into(),
-            listen: "10.231.0.2:10809".into(),
-        },
-    ];
-    let config = resource_file(dir.path(), "r0", &nodes);
-    let primary = NsNode::start(
-        &ns.names[0],
-        &config,
-        "alpha",
-        true,
-        dir.path().join("a.log"),
-    );
-    let secondary = NsNode::start(
-        &ns.names[1],
-        &config,
-        "beta",
-        false,
-        dir.path().join("b.log"),
-    );
-    wait_for_log(
-        "secondary",
-        || secondary.stderr(),
-        "in sync with the primary",
-        1,
-    );
-    let veth = format!("v{}a", std::process::id() % 100_000);
+    let (primary, secondary) = pair_in_sync_in(&ns, dir.path());
+    let veth = &ns.veths[0];
     run(Command::new("ip")
         .args(["netns", "exec", &ns.names[0], "tc", "qdisc", "add"])
         .args([
-            "dev", &veth, "root", "tbf", "rate", "16mbit", "burst", "32kbit", "latency", "2s",
+            "dev", veth, "root", "tbf", "rate", "16mbit", "burst", "32kbit", "latency", "2s",
         ]));
     let out = Command::new("ip")
         .args(["netns", "exec", &ns.names[0], "fio", "--name=slow"])

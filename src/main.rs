@@ -553,10 +553,15 @@ fn run_replicated(args: &ServeArgs, path: &std::path::Path) -> anyhow::Result<()
     runtime.block_on(async move {
         let shutdown = shutdown_signal()?;
         let powercut = args.fault_injection.as_deref() == Some("powercut");
+        // Bound before the node, which opens (and marks) its metadata: a taken port must
+        // change nothing there.
+        let metrics = match &args.metrics {
+            Some(addr) => Some(netblk::metrics::bind(addr).await?),
+            None => None,
+        };
         let mut node = Node::bind(resource, &name, primary, client_options, powercut, tcp).await?;
         let mut stdout = std::io::stdout().lock();
-        if let Some(addr) = &args.metrics {
-            let listener = netblk::metrics::bind(addr).await?;
+        if let Some(listener) = metrics {
             writeln!(
                 stdout,
                 "metrics on http://{}/metrics",

@@ -719,7 +719,8 @@ fn a_read_past_the_end_of_a_shrunk_device_fails() {
 
 /// A regular file shrunk under its export (a `truncate`, `qemu-img resize --shrink`) fails
 /// reads past its new end with EIO, in both cache modes, as a device does: they were
-/// answered as zeroes (review, session 68). Reads before the new end still work.
+/// answered as zeroes (review, session 68). So does block status there, which said "hole,
+/// reads as zero" (re-review). Reads and block status before the new end still work.
 #[test]
 fn a_read_past_the_end_of_a_shrunk_file_fails() {
     for cache in ["--cache=writeback", "--cache=none"] {
@@ -736,6 +737,7 @@ fn a_read_past_the_end_of_a_shrunk_file_fails() {
         let said = python(
             "import nbd, sys\n\
              h = nbd.NBD()\n\
+             h.add_meta_context(nbd.CONTEXT_BASE_ALLOCATION)\n\
              h.connect_uri(sys.argv[1])\n\
              print(h.pread(4096, 0)[:1].hex())\n\
              for length in (4096, 1 << 20):\n\
@@ -743,11 +745,21 @@ fn a_read_past_the_end_of_a_shrunk_file_fails() {
              \x20       h.pread(length, 48 << 20)\n\
              \x20       print('zeroes')\n\
              \x20   except nbd.Error as e:\n\
+             \x20       print('EIO' if '(EIO)' in str(e) else e)\n\
+             for offset in (0, 40 << 20):\n\
+             \x20   try:\n\
+             \x20       h.block_status(1 << 20, offset, lambda *a: 0)\n\
+             \x20       print('extents')\n\
+             \x20   except nbd.Error as e:\n\
              \x20       print('EIO' if '(EIO)' in str(e) else e)\n",
             &[&server.uri()],
         );
         let expected = read_all(&backing);
-        assert_eq!(said, format!("{:02x}\nEIO\nEIO\n", expected[0]), "{cache}");
+        assert_eq!(
+            said,
+            format!("{:02x}\nEIO\nEIO\nextents\nEIO\n", expected[0]),
+            "{cache}"
+        );
         let _ = server.stop();
     }
 }

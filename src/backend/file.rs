@@ -808,6 +808,9 @@ impl FileBackend {
             .await;
         if let Err(e) = &synced {
             self.sync_failed(e);
+            // The copy stays in the page cache: the next FLUSH must sync it (a range sync
+            // the ring never took records nothing, and would leave it unsynced).
+            self.dirty.mark();
         }
         let beside = ticket.end();
         synced.map_err(|e| BackendError::io("write", offset, length, e))?;
@@ -1269,6 +1272,7 @@ impl Backend for FileBackend {
 
     fn extents(&self, offset: u64, length: u64) -> BackendFuture<'_, Vec<Extent>> {
         let block_device = self.block_device;
+        let (size, path) = (self.size, self.path.clone());
         backend_future(self.blocking("block status", offset, length, move |file| {
             if block_device {
                 return Ok(vec![Extent {
@@ -1276,6 +1280,21 @@ impl Backend for FileBackend {
                     hole: false,
                     zero: false,
                 }]);
+            }
+            // Past the end of a file shrunk under the export, `SEEK_DATA` finds no data,
+            // and the range would be reported a hole that reads as zeroes: tools that
+            // trust block status then copy zeroes without reading (re-review, session 68;
+            // reads there fail with EIO, `past_the_end`).
+            let now = rustix::fs::fstat(file).map_or(0, |stat| stat.st_size as u64);
+            if now < size && offset + length > now {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!(
+                        "{} ends at {now} bytes, before its exported size of {size}: shrunk \
+                         while exported?",
+                        path.display()
+                    ),
+                ));
             }
             let runs = allocation_runs(file, offset, length)?;
             Ok(runs

@@ -537,8 +537,8 @@ enum Request {
         data: WriteData,
         flags: i32,
     },
-    /// `fsync`/`fdatasync` of `[offset, offset + len)` (the kernel's `vfs_fsync_range`);
-    /// `len` 0 to the end of the file, so 0 and 0 sync all of it.
+    /// `fsync`/`fdatasync` of `[offset, offset + len]` (the kernel's `vfs_fsync_range`,
+    /// whose end is inclusive); `offset` and `len` both 0 sync all of the file.
     Fsync {
         datasync: bool,
         offset: u64,
@@ -715,7 +715,7 @@ impl Ring {
     ) -> io::Result<()> {
         #[cfg(test)]
         self.durable_requests.fetch_add(1, Ordering::Relaxed);
-        // A length of 0 would sync the whole file: correct, only slower.
+        // A length of 0 (a zero-length FUA write) syncs the one byte at `offset`.
         self.submit(
             file,
             Request::Fsync {

@@ -116,6 +116,9 @@ pub struct PeerSlot {
     /// while the peer is disconnected (review, session 68: a peer whose disk was full
     /// showed only as "disconnected").
     pub lost: Mutex<Option<String>>,
+    /// The last link ended after the peer's disk failed a write: the dialing side waits
+    /// longer before the next (`peer::dial_loop`), which clears it.
+    pub disk_failed: AtomicBool,
 }
 
 impl PeerSlot {
@@ -209,6 +212,7 @@ impl Shared {
                 announced_primary: AtomicBool::new(false),
                 refused: Mutex::new(None),
                 lost: Mutex::new(None),
+                disk_failed: AtomicBool::new(false),
             })
             .collect();
         Ok(Arc::new(Shared {
@@ -459,7 +463,14 @@ impl Shared {
         let was_replicating = conn.replicating.swap(false, Ordering::AcqRel);
         *current = None;
         drop(current);
+        // What this end said when it closed the link (the peer's disk failed a write)
+        // tells more than whichever waiter saw the close first (re-review).
+        let why = conn.close_reason().unwrap_or_else(|| why.to_string());
+        let why = why.as_str();
         *slot.lost.lock().unwrap_or_else(|e| e.into_inner()) = Some(why.to_string());
+        if conn.peer_disk_failed() {
+            slot.disk_failed.store(true, Ordering::Release);
+        }
         conn.close();
         // While a demotion drains, this node is no longer primary but writes may still be
         // in flight to the peer: those count as a primary's.
@@ -838,7 +849,11 @@ impl Shared {
             Ok(Ok(Message::Ack { status: 0, .. }))
             | Ok(Ok(Message::Received { .. }))
             | Ok(Ok(Message::BarrierAck { status: 0, .. })) => return true,
-            Ok(Ok(other)) => format!("{op} failed on the peer: {other:?}"),
+            Ok(Ok(Message::Ack { status, .. })) | Ok(Ok(Message::BarrierAck { status, .. })) => {
+                let errno = crate::wire::NbdError::from_errno(status as i32);
+                format!("the peer's disk failed a {op} ({errno})")
+            }
+            Ok(Ok(other)) => format!("{op} failed on the peer: {}", other.name()),
             Ok(Err(_)) => format!("connection closed during {op}"),
             Err(no_answer) => format!("no answer to {op}: {no_answer}"),
         };
@@ -1243,9 +1258,10 @@ impl Shared {
                     ..
                 } => {}
                 Message::ResyncReply { status, .. } => {
+                    conn.note_peer_disk_failure();
                     return Err(format!(
                         "the peer's disk could not take offset {offset}: {status}"
-                    ))
+                    ));
                 }
                 other => return Err(format!("unexpected {} during resync", other.name())),
             }

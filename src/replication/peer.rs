@@ -74,9 +74,13 @@ pub struct PeerConn {
     /// On a secondary: barriers received from this primary, by epoch, with the flush
     /// generation their arrival began (see [`Shared::flushed_everywhere`]).
     barriers: Mutex<BTreeMap<u64, u64>>,
-    /// Bytes received from the peer so far: the sign of life the waits for its answers
-    /// go by ([`PeerConn::answer_within`]).
-    heard: AtomicU64,
+    /// When bytes last came from the peer, in nanoseconds since `born`: the sign of life
+    /// the waits for its answers go by ([`PeerConn::answer_within`]).
+    heard_at: AtomicU64,
+    born: tokio::time::Instant,
+    /// The peer's disk failed a write or a resync write on this link: the next dial waits
+    /// longer ([`dial_loop`]).
+    peer_disk_failed: AtomicBool,
     /// Why this end closed the connection, when it knows better than "connection closed"
     /// (the peer's disk failed a write): what the lost link is logged and shown with.
     close_reason: Mutex<Option<String>>,
@@ -136,7 +140,9 @@ impl PeerConn {
             closed: watch::channel(false).0,
             peer_bitmap_done: watch::channel(false).0,
             barriers: Mutex::new(BTreeMap::new()),
-            heard: AtomicU64::new(0),
+            heard_at: AtomicU64::new(0),
+            born: tokio::time::Instant::now(),
+            peer_disk_failed: AtomicBool::new(false),
             close_reason: Mutex::new(None),
         })
     }
@@ -158,22 +164,40 @@ impl PeerConn {
             .clone()
     }
 
-    /// Counts `bytes` received from the peer.
-    fn heard_from(&self, bytes: usize) {
-        self.heard.fetch_add(bytes as u64, Ordering::Relaxed);
+    /// Notes that bytes came from the peer now.
+    fn heard_from(&self) {
+        let since = self.born.elapsed().as_nanos() as u64;
+        self.heard_at.fetch_max(since, Ordering::Relaxed);
+    }
+
+    /// When bytes last came from the peer (the link's start if none has).
+    fn last_heard(&self) -> tokio::time::Instant {
+        self.born + Duration::from_nanos(self.heard_at.load(Ordering::Relaxed))
+    }
+
+    /// Notes that the peer's disk failed a write on this link.
+    pub fn note_peer_disk_failure(&self) {
+        self.peer_disk_failed.store(true, Ordering::Release);
+    }
+
+    /// Whether the peer's disk failed a write on this link.
+    pub fn peer_disk_failed(&self) -> bool {
+        self.peer_disk_failed.load(Ordering::Acquire)
     }
 
     /// Waits for `answer` from the peer until `deadline`, and then for as long as the
-    /// peer shows life: each time a peer timeout passes without the answer, the wait goes
-    /// on if bytes came from the peer meanwhile, up to [`KO_COUNT`] peer timeouts from
-    /// `deadline - timeout` in all.
+    /// peer shows life: until a whole peer timeout passes with no bytes from it, or
+    /// [`KO_COUNT`] peer timeouts from `deadline - timeout` in all.
     ///
     /// Why not one timeout from the request: over a link slower than what is queued on it,
     /// the answer comes later than a timeout after the request while the peer works
     /// through the queue, answering earlier requests (and sending keepalives while it
     /// receives: [`read_frames`]). Timed from the request, a live peer was dropped as
     /// silent, again and again: 18 times a minute at 10 Mbit/s with 8 MiB queued, and a
-    /// resync of 64 MiB restarted 35 times and never ended (review, session 68).
+    /// resync of 64 MiB restarted 35 times and never ended (review, session 68). Timed
+    /// from the last bytes heard, not from this wait's start: the waits for several peers
+    /// share one deadline and run one after another, so a later peer's wait can begin
+    /// past it (re-review: a second peer was dropped as silent at once).
     pub async fn answer_within<F: std::future::Future + Unpin>(
         &self,
         mut answer: F,
@@ -183,20 +207,19 @@ impl PeerConn {
         let started = deadline - timeout;
         let give_up = started + timeout * KO_COUNT;
         let mut deadline = deadline;
-        let mut heard = self.heard.load(Ordering::Relaxed);
         loop {
             if let Ok(answered) = tokio::time::timeout_at(deadline, &mut answer).await {
                 return Ok(answered);
             }
-            let now_heard = self.heard.load(Ordering::Relaxed);
-            if now_heard == heard {
+            let now = tokio::time::Instant::now();
+            let silent_from = self.last_heard().max(started) + timeout;
+            if silent_from <= now {
                 return Err(NoAnswer::Silent(timeout));
             }
-            if deadline >= give_up {
+            if now >= give_up {
                 return Err(NoAnswer::TooSlow(give_up - started));
             }
-            heard = now_heard;
-            deadline = (deadline + timeout).min(give_up);
+            deadline = silent_from.min(give_up);
         }
     }
 
@@ -331,6 +354,7 @@ impl PeerConn {
         }
         if let Some(status) = failed_write {
             let errno = crate::wire::NbdError::from_errno(status as i32);
+            self.note_peer_disk_failure();
             self.close_because(format!("the peer's disk failed a write ({errno})"));
         }
     }
@@ -387,10 +411,12 @@ async fn dial_loop(shared: Arc<Shared>, index: usize, mut stop: watch::Receiver<
     let peer = &shared.peers[index].config.name;
     // The first failure after a success (or at start) is a warning, the retries debug.
     let mut failing = false;
-    // After links that end soon after they are made (the peer's disk refuses every write,
-    // it refuses the link), the next dial waits longer, doubling up to RELINK_MOST: a
-    // peer whose disk was full was relinked, resynced from 0 and lost twice a second for
-    // ever, with a warning on each node each time (review, session 68).
+    // After a link that ended because the peer's disk failed a write, the next dial waits
+    // longer, doubling up to RELINK_MOST while that goes on: a peer whose disk was full
+    // was relinked, resynced from 0 and lost twice a second for ever, with a warning on
+    // each node each time (review, session 68). Only for that reason: timed by how long
+    // links lasted, a frozen peer's timed-out hellos and a flapping network's cut links
+    // delayed a good relink by up to 10 s (re-review).
     let mut relink = retry;
     loop {
         if *stop.borrow() {
@@ -401,16 +427,18 @@ async fn dial_loop(shared: Arc<Shared>, index: usize, mut stop: watch::Receiver<
         let failed = match tokio::time::timeout(shared.resource.peer_timeout, connecting).await {
             Ok(Ok(stream)) => {
                 failing = false;
-                let linked = tokio::time::Instant::now();
                 run_connection(Arc::clone(&shared), stream, addr, Some(index), stop.clone()).await;
-                relink = if linked.elapsed() < SHORT_LINK {
+                let disk_failed = shared.peers[index]
+                    .disk_failed
+                    .swap(false, Ordering::AcqRel);
+                relink = if disk_failed {
                     (relink * 2).min(RELINK_MOST)
                 } else {
                     retry
                 };
                 wait = relink;
-                if wait > retry {
-                    debug!(%peer, "the link ended soon after it was made: next dial in {wait:?}");
+                if disk_failed {
+                    debug!(%peer, "the peer's disk failed a write: next dial in {wait:?}");
                 }
                 None
             }
@@ -432,9 +460,7 @@ async fn dial_loop(shared: Arc<Shared>, index: usize, mut stop: watch::Receiver<
     }
 }
 
-/// A link that ends sooner than this after it was made makes the next dial wait longer.
-const SHORT_LINK: Duration = Duration::from_secs(10);
-/// The longest wait before dialing a peer again after short links.
+/// The longest wait before dialing a peer again while its disk fails writes.
 const RELINK_MOST: Duration = Duration::from_secs(10);
 
 fn our_hello(shared: &Shared) -> Hello {
@@ -830,8 +856,8 @@ async fn read_frames<'a>(
             read = tokio::time::timeout(timeout, reader.read_buf(&mut buf)), if applying.len() < MAX_APPLYING => match read {
                 Err(_) => return format!("silent for {timeout:?}"),
                 Ok(Ok(0)) => return "peer closed the connection".into(),
-                Ok(Ok(n)) => {
-                    conn.heard_from(n);
+                Ok(Ok(_)) => {
+                    conn.heard_from();
                     if last_keepalive.elapsed() >= keepalive_every {
                         last_keepalive = tokio::time::Instant::now();
                         conn.send(Message::Pong { token: 0 });
@@ -1275,7 +1301,7 @@ mod tests {
             tokio::spawn(async move {
                 for _ in 0..9 {
                     sleep(Duration::from_millis(400)).await;
-                    conn.heard_from(10);
+                    conn.heard_from();
                 }
                 let _ = tx.send(7);
             })
@@ -1291,17 +1317,30 @@ mod tests {
             let conn = Arc::clone(&conn);
             tokio::spawn(async move {
                 sleep(Duration::from_millis(500)).await;
-                conn.heard_from(10);
+                conn.heard_from();
             })
         };
         let answered = conn.answer_within(rx, start + timeout, timeout).await;
         assert_eq!(answered.unwrap_err(), NoAnswer::Silent(timeout));
         assert_eq!(
             start.elapsed(),
-            timeout * 2,
-            "bytes came in the first timeout only"
+            Duration::from_millis(1500),
+            "one timeout after the last bytes"
         );
         talker.await.unwrap();
+        // A wait that begins past its deadline (the second of two peers sharing one) goes
+        // on while the peer was heard within a timeout.
+        let (tx, rx) = oneshot::channel::<u32>();
+        conn.heard_from();
+        let start = Instant::now();
+        let answerer = tokio::spawn(async move {
+            sleep(Duration::from_millis(600)).await;
+            let _ = tx.send(9);
+        });
+        let late = start - Duration::from_millis(200);
+        let answered = conn.answer_within(rx, late, timeout).await;
+        assert_eq!(answered.map(|r| r.ok()), Ok(Some(9)));
+        answerer.await.unwrap();
         // Talking, but never answering: given up after KO_COUNT timeouts.
         let (_tx, rx) = oneshot::channel::<u32>();
         let talker = {
@@ -1309,7 +1348,7 @@ mod tests {
             tokio::spawn(async move {
                 loop {
                     sleep(Duration::from_millis(300)).await;
-                    conn.heard_from(10);
+                    conn.heard_from();
                 }
             })
         };

@@ -91,43 +91,28 @@ const MAX_CONTROL_REQUESTS: usize = 16;
 pub async fn serve<F, A>(
     listener: UnixListener,
     path: PathBuf,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
     answer: F,
 ) where
     F: Fn(String) -> A + Clone + Send + 'static,
     A: Future<Output = Reply> + Send,
 {
-    let in_progress = Arc::new(tokio::sync::Semaphore::new(MAX_CONTROL_REQUESTS));
-    loop {
-        let accepted = tokio::select! {
-            _ = stop.wait_for(|s| *s) => break,
-            accepted = listener.accept() => accepted,
+    let busy = |stream: tokio::net::UnixStream| {
+        let busy = Reply {
+            ok: false,
+            message: format!(
+                "the control socket is busy ({MAX_CONTROL_REQUESTS} requests in progress); try again"
+            ),
+            status: None,
+            server: None,
         };
-        let stream = match accepted {
-            Ok((stream, _)) => stream,
-            Err(e) => {
-                // Out of descriptors, most likely: retrying at once would spin.
-                tracing::debug!("control socket accept: {e}");
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                continue;
-            }
-        };
+        let mut text = serde_json::to_string(&busy).expect("serializable reply");
+        text.push('\n');
+        // Without waiting: a client that does not read its answer loses it.
+        let _ = stream.try_write(text.as_bytes());
+    };
+    let serve_one = |stream: tokio::net::UnixStream, permit| {
         let answer = answer.clone();
-        let Ok(permit) = Arc::clone(&in_progress).try_acquire_owned() else {
-            let busy = Reply {
-                ok: false,
-                message: format!(
-                    "the control socket is busy ({MAX_CONTROL_REQUESTS} requests in progress); try again"
-                ),
-                status: None,
-                server: None,
-            };
-            let mut text = serde_json::to_string(&busy).expect("serializable reply");
-            text.push('\n');
-            // Without waiting: a client that does not read its answer loses it.
-            let _ = stream.try_write(text.as_bytes());
-            continue;
-        };
         tokio::spawn(async move {
             let _permit = permit;
             let (read, mut write) = stream.into_split();
@@ -147,8 +132,70 @@ pub async fn serve<F, A>(
             text.push('\n');
             let _ = write.write_all(text.as_bytes()).await;
         });
-    }
+    };
+    accept_bounded(
+        &listener,
+        "control socket",
+        MAX_CONTROL_REQUESTS,
+        stop,
+        busy,
+        serve_one,
+    )
+    .await;
     let _ = std::fs::remove_file(&path);
+}
+
+/// A listener [`accept_bounded`] takes connections from.
+pub(crate) trait Accept {
+    type Stream: Send + 'static;
+    fn accept_one(&self) -> impl Future<Output = std::io::Result<Self::Stream>> + Send + '_;
+}
+
+impl Accept for UnixListener {
+    type Stream = tokio::net::UnixStream;
+    async fn accept_one(&self) -> std::io::Result<tokio::net::UnixStream> {
+        self.accept().await.map(|(stream, _)| stream)
+    }
+}
+
+impl Accept for tokio::net::TcpListener {
+    type Stream = tokio::net::TcpStream;
+    async fn accept_one(&self) -> std::io::Result<tokio::net::TcpStream> {
+        self.accept().await.map(|(stream, _)| stream)
+    }
+}
+
+/// Accepts connections on `listener` (the control socket, the metrics endpoint) until
+/// `stop` turns true, at most `most` of them served at once: each goes to `serve` with
+/// the permit that holds its place, and one more to `busy`. A failed accept (out of
+/// descriptors, most likely) is retried after 50 ms: at once, it would spin.
+pub(crate) async fn accept_bounded<L: Accept>(
+    listener: &L,
+    what: &str,
+    most: usize,
+    mut stop: watch::Receiver<bool>,
+    mut busy: impl FnMut(L::Stream),
+    mut serve: impl FnMut(L::Stream, tokio::sync::OwnedSemaphorePermit),
+) {
+    let in_progress = Arc::new(tokio::sync::Semaphore::new(most));
+    loop {
+        let accepted = tokio::select! {
+            _ = stop.wait_for(|s| *s) => break,
+            accepted = listener.accept_one() => accepted,
+        };
+        let stream = match accepted {
+            Ok(stream) => stream,
+            Err(e) => {
+                tracing::debug!("{what} accept: {e}");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        match Arc::clone(&in_progress).try_acquire_owned() {
+            Ok(permit) => serve(stream, permit),
+            Err(_) => busy(stream),
+        }
+    }
 }
 
 /// The longest request line the control socket reads; requests are a few words.

@@ -12,7 +12,6 @@ use std::fmt::Write as _;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -251,76 +250,61 @@ fn common(out: &mut Exposition, uptime_seconds: u64, clients: usize) {
 }
 
 fn exports(out: &mut Exposition, status: &ServerStatus) {
-    out.family("netblk_export_size_bytes", "gauge", "Size of the export.");
-    for e in &status.exports {
-        out.sample("netblk_export_size_bytes", &[("export", &e.name)], e.size);
-    }
-    out.family(
-        "netblk_export_clients",
-        "gauge",
-        "Connections using the export.",
-    );
-    for e in &status.exports {
-        out.sample("netblk_export_clients", &[("export", &e.name)], e.clients);
-    }
-    out.family(
-        "netblk_export_flush_failed",
-        "gauge",
-        "1 once a sync of the backing failed: every FLUSH fails until a restart.",
-    );
-    for e in &status.exports {
-        let failed = flag(e.flush_stopped.is_some());
-        out.sample("netblk_export_flush_failed", &[("export", &e.name)], failed);
-    }
-    out.family(
-        "netblk_export_requests_total",
-        "counter",
-        "Requests the export accepted, by command.",
-    );
-    for e in &status.exports {
-        for (command, n) in e.requests.by_command() {
-            let labels = [("export", e.name.as_str()), ("command", command)];
-            out.sample("netblk_export_requests_total", &labels, n);
+    type ExportField = fn(&crate::control::ExportStatus) -> u64;
+    let per_export: [(&str, &str, &str, ExportField); 6] = [
+        (
+            "netblk_export_size_bytes",
+            "gauge",
+            "Size of the export.",
+            |e| e.size,
+        ),
+        (
+            "netblk_export_clients",
+            "gauge",
+            "Connections using the export.",
+            |e| e.clients as u64,
+        ),
+        (
+            "netblk_export_flush_failed",
+            "gauge",
+            "1 once a sync of the backing failed: every FLUSH fails until a restart.",
+            |e| u64::from(e.flush_stopped.is_some()),
+        ),
+        (
+            "netblk_export_requests_refused_total",
+            "counter",
+            "Requests refused before the backend (out of range, read-only export, bad flags).",
+            |e| e.requests.refused,
+        ),
+        (
+            "netblk_export_read_bytes_total",
+            "counter",
+            "Bytes the export's accepted reads asked for.",
+            |e| e.requests.read_bytes,
+        ),
+        (
+            "netblk_export_written_bytes_total",
+            "counter",
+            "Bytes the export's accepted writes carried.",
+            |e| e.requests.written_bytes,
+        ),
+    ];
+    for (name, kind, help, field) in per_export {
+        out.family(name, kind, help);
+        for e in &status.exports {
+            out.sample(name, &[("export", e.name.as_str())], field(e));
         }
     }
-    out.family(
-        "netblk_export_requests_refused_total",
-        "counter",
-        "Requests refused before the backend (out of range, read-only export, bad flags).",
-    );
+    let name = "netblk_export_requests_total";
+    out.family(name, "counter", "Requests the export accepted, by command.");
     for e in &status.exports {
-        let refused = e.requests.refused;
-        out.sample(
-            "netblk_export_requests_refused_total",
-            &[("export", &e.name)],
-            refused,
-        );
-    }
-    out.family(
-        "netblk_export_read_bytes_total",
-        "counter",
-        "Bytes the export's accepted reads asked for.",
-    );
-    for e in &status.exports {
-        let bytes = e.requests.read_bytes;
-        out.sample(
-            "netblk_export_read_bytes_total",
-            &[("export", &e.name)],
-            bytes,
-        );
-    }
-    out.family(
-        "netblk_export_written_bytes_total",
-        "counter",
-        "Bytes the export's accepted writes carried.",
-    );
-    for e in &status.exports {
-        let bytes = e.requests.written_bytes;
-        out.sample(
-            "netblk_export_written_bytes_total",
-            &[("export", &e.name)],
-            bytes,
-        );
+        for (command, n) in e.requests.by_command() {
+            out.sample(
+                name,
+                &[("export", e.name.as_str()), ("command", command)],
+                n,
+            );
+        }
     }
 }
 
@@ -487,35 +471,28 @@ pub fn parse_request(bytes: &[u8]) -> Asked {
 
 /// Serves `GET /metrics` on `listener`, each answered with what `render` gives then,
 /// until `stop` turns true.
-pub async fn serve<F, R>(listener: TcpListener, mut stop: watch::Receiver<bool>, render: F)
+pub async fn serve<F, R>(listener: TcpListener, stop: watch::Receiver<bool>, render: F)
 where
     F: Fn() -> R + Clone + Send + 'static,
     R: Future<Output = String> + Send,
 {
-    let in_progress = Arc::new(tokio::sync::Semaphore::new(MAX_REQUESTS));
-    loop {
-        let accepted = tokio::select! {
-            _ = stop.wait_for(|s| *s) => break,
-            accepted = listener.accept() => accepted,
-        };
-        let stream = match accepted {
-            Ok((stream, _)) => stream,
-            Err(e) => {
-                // Out of descriptors, most likely: retrying at once would spin.
-                tracing::debug!("metrics endpoint accept: {e}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let Ok(permit) = Arc::clone(&in_progress).try_acquire_owned() else {
-            continue;
-        };
+    let serve_one = |stream, permit| {
         let render = render.clone();
         tokio::spawn(async move {
             let _permit = permit;
             let _ = answer(stream, render).await;
         });
-    }
+    };
+    // One more request than the bound is closed at once.
+    crate::control::accept_bounded(
+        &listener,
+        "metrics endpoint",
+        MAX_REQUESTS,
+        stop,
+        drop,
+        serve_one,
+    )
+    .await;
 }
 
 /// Reads one request head from `stream` and answers it; the connection then closes.

@@ -555,26 +555,11 @@ impl FileBackend {
     /// sessions 67 for devices, 68 for files): EIO, as nbdkit's file plugin answers. A file
     /// as long as the export again by now (grown back meanwhile) reads as zeroes there.
     fn past_the_end(&self, offset: u64, want: usize) -> Result<(), BackendError> {
-        if !self.block_device {
-            let now = rustix::fs::fstat(&*self.file).map_or(0, |stat| stat.st_size as u64);
-            if now >= self.size {
-                return Ok(());
-            }
+        if !self.block_device && shrunk_to(&self.file, self.size).is_none() {
+            return Ok(());
         }
-        let error = BackendError::io(
-            "read",
-            offset,
-            want as u64,
-            std::io::Error::new(
-                std::io::ErrorKind::UnexpectedEof,
-                format!(
-                    "{} ends before its exported size of {} bytes: shrunk while exported?",
-                    self.path.display(),
-                    self.size
-                ),
-            ),
-        );
-        Err(error)
+        let error = ends_early(&self.path, self.size);
+        Err(BackendError::io("read", offset, want as u64, error))
     }
 
     /// The error of a failed read of `want` bytes at `offset`, which turns mapped reads off.
@@ -892,6 +877,25 @@ impl FileBackend {
             )),
         }
     }
+}
+
+/// The length of a regular file now shorter than its export's `size` (shrunk under it),
+/// or `None`.
+fn shrunk_to(file: &File, size: u64) -> Option<u64> {
+    let now = rustix::fs::fstat(file).map_or(0, |stat| stat.st_size as u64);
+    (now < size).then_some(now)
+}
+
+/// The error for data that ends before the export's `size` (a file or device shrunk
+/// while exported).
+fn ends_early(path: &Path, size: u64) -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::UnexpectedEof,
+        format!(
+            "{} ends before its exported size of {size} bytes: shrunk while exported?",
+            path.display()
+        ),
+    )
 }
 
 fn errno(e: rustix::io::Errno) -> std::io::Error {
@@ -1285,16 +1289,8 @@ impl Backend for FileBackend {
             // and the range would be reported a hole that reads as zeroes: tools that
             // trust block status then copy zeroes without reading (re-review, session 68;
             // reads there fail with EIO, `past_the_end`).
-            let now = rustix::fs::fstat(file).map_or(0, |stat| stat.st_size as u64);
-            if now < size && offset + length > now {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::UnexpectedEof,
-                    format!(
-                        "{} ends at {now} bytes, before its exported size of {size}: shrunk \
-                         while exported?",
-                        path.display()
-                    ),
-                ));
+            if shrunk_to(file, size).is_some_and(|now| offset + length > now) {
+                return Err(ends_early(&path, size));
             }
             let runs = allocation_runs(file, offset, length)?;
             Ok(runs

@@ -689,44 +689,38 @@ impl Ring {
 
     /// fsync, or fdatasync with `datasync`.
     pub async fn fsync(self: &Arc<Self>, file: &Arc<File>, datasync: bool) -> io::Result<()> {
-        #[cfg(test)]
-        self.durable_requests.fetch_add(1, Ordering::Relaxed);
-        self.submit(
-            file,
-            Request::Fsync {
-                datasync,
-                offset: 0,
-                len: 0,
-            },
-        )
-        .await
-        .0
-        .map(|_| ())
+        self.sync_range(file, datasync, 0, 0).await
     }
 
     /// fdatasync of `[offset, offset + len)` only, as a write with `RWF_DSYNC` syncs its
     /// own range (the same `vfs_fsync_range`, which also reports a failed writeback of the
-    /// file's other pages). Always through the ring: no system call syncs a range.
+    /// file's other pages). Always through the ring: no system call syncs a range. A
+    /// length of 0 (a zero-length FUA write) syncs the one byte at `offset`.
     pub async fn fdatasync_range(
         self: &Arc<Self>,
         file: &Arc<File>,
         offset: u64,
         len: u32,
     ) -> io::Result<()> {
+        self.sync_range(file, true, offset, len).await
+    }
+
+    /// A sync entry ([`Request::Fsync`]), counted among the durable requests.
+    async fn sync_range(
+        self: &Arc<Self>,
+        file: &Arc<File>,
+        datasync: bool,
+        offset: u64,
+        len: u32,
+    ) -> io::Result<()> {
         #[cfg(test)]
         self.durable_requests.fetch_add(1, Ordering::Relaxed);
-        // A length of 0 (a zero-length FUA write) syncs the one byte at `offset`.
-        self.submit(
-            file,
-            Request::Fsync {
-                datasync: true,
-                offset,
-                len,
-            },
-        )
-        .await
-        .0
-        .map(|_| ())
+        let request = Request::Fsync {
+            datasync,
+            offset,
+            len,
+        };
+        self.submit(file, request).await.0.map(|_| ())
     }
 
     /// Starts writeback of the dirty pages in `[offset, offset + len)` (`len` 0: to the end

@@ -916,28 +916,16 @@ fn a_peer_whose_disk_is_full_is_shown_so_and_not_relinked_at_once() {
     let small = dir.path().join("small");
     std::fs::create_dir(&small).unwrap();
     let _space = Mounted::tmpfs(&small, "8m");
-    let taken = [0, 1].map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap());
-    let [alpha_port, beta_port] = taken.each_ref().map(|l| l.local_addr().unwrap().port());
-    drop(taken);
-    let config = dir.path().join("r0.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[resource]\nname = \"r0\"\nsize = \"64M\"\npeer_timeout = \"1s\"\n\
-             [[node]]\nname = \"alpha\"\nreplication = \"127.0.0.1:{alpha_port}\"\n\
-             listen = \"127.0.0.1:0\"\nbacking = \"memory:64M\"\n\
-             metadata = \"{dir}/alpha.meta\"\n\
-             [[node]]\nname = \"beta\"\nreplication = \"127.0.0.1:{beta_port}\"\n\
-             listen = \"127.0.0.1:0\"\nbacking = \"{small}/beta.img\"\n\
-             metadata = \"{dir}/beta.meta\"\n",
-            dir = dir.path().display(),
-            small = small.display(),
-        ),
-    )
-    .unwrap();
-    let args = ["--config", config.to_str().unwrap(), "--node", "alpha"]
-        .map(String::from)
-        .to_vec();
+    let alpha = format!(
+        "backing = \"memory:64M\"\nmetadata = \"{}/alpha.meta\"\n",
+        dir.path().display()
+    );
+    let beta = format!(
+        "backing = \"{}/beta.img\"\nmetadata = \"{}/beta.meta\"\n",
+        small.display(),
+        dir.path().display()
+    );
+    let args = two_nodes(dir.path(), &alpha, &beta);
     let mut beta_args = args.clone();
     beta_args[3] = "beta".into();
     let mut beta = Server::start_expecting(&beta_args, 1);
@@ -1002,6 +990,16 @@ fn node_status(args: &[String], extra: &[&str]) -> String {
 /// metadata) given as TOML lines; beta never starts. Returns `netblk serve`'s arguments for
 /// alpha.
 fn alpha_of_two_nodes(dir: &Path, alpha: &str) -> Vec<String> {
+    let beta = format!(
+        "backing = \"memory:64M\"\nmetadata = \"{}/beta.meta\"\n",
+        dir.display()
+    );
+    two_nodes(dir, alpha, &beta)
+}
+
+/// A resource of two nodes under `dir`, each node's own settings (its backing, cache and
+/// metadata) given as TOML lines. Returns `netblk serve`'s arguments for alpha.
+fn two_nodes(dir: &Path, alpha: &str, beta: &str) -> Vec<String> {
     // Two distinct free ports for the nodes' replication addresses.
     let taken = [0, 1].map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap());
     let [alpha_port, beta_port] = taken.each_ref().map(|l| l.local_addr().unwrap().port());
@@ -1014,9 +1012,7 @@ fn alpha_of_two_nodes(dir: &Path, alpha: &str) -> Vec<String> {
              [[node]]\nname = \"alpha\"\nreplication = \"127.0.0.1:{alpha_port}\"\n\
              listen = \"127.0.0.1:0\"\n{alpha}\
              [[node]]\nname = \"beta\"\nreplication = \"127.0.0.1:{beta_port}\"\n\
-             listen = \"127.0.0.1:0\"\nbacking = \"memory:64M\"\n\
-             metadata = \"{dir}/beta.meta\"\n",
-            dir = dir.display(),
+             listen = \"127.0.0.1:0\"\n{beta}",
         ),
     )
     .unwrap();

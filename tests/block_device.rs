@@ -987,7 +987,7 @@ fn node_status(args: &[String], extra: &[&str]) -> String {
 }
 
 /// A resource of two nodes under `dir`, alpha's own settings (its backing, cache and
-/// metadata) given as TOML lines; beta never starts. Returns `netblk serve`'s arguments for
+/// metadata) given as TOML lines, beta on memory. Returns `netblk serve`'s arguments for
 /// alpha.
 fn alpha_of_two_nodes(dir: &Path, alpha: &str) -> Vec<String> {
     let beta = format!(

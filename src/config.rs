@@ -183,6 +183,7 @@ impl Config {
             }
             let backing =
                 BackingSpec::parse(&export.backing).map_err(|e| invalid(key("backing"), e))?;
+            let backing = backing_beside_config(origin, backing);
             let size = match export.size {
                 Some(text) => Some(parse_size(&text).map_err(|e| invalid(key("size"), e))?),
                 None => None,
@@ -221,16 +222,55 @@ impl Config {
             }
             exports.push(checked);
         }
+        let mut listens = Vec::new();
         for (i, listen) in raw.listen.iter().enumerate() {
-            crate::listen::ListenAddr::parse(listen)
+            let parsed = crate::listen::ListenAddr::parse(listen)
                 .map_err(|e| invalid(format!("listen[{i}]"), e))?;
+            listens.push(match listen_beside_config(origin, parsed) {
+                crate::listen::ListenAddr::Unix(path) => format!("unix:{}", path.display()),
+                crate::listen::ListenAddr::Tcp(_) => listen.clone(),
+            });
         }
         Ok(Config {
-            listen: raw.listen,
+            listen: listens,
             handshake_timeout,
             tcp_congestion: raw.tcp_congestion,
             exports,
         })
+    }
+}
+
+/// Where a path written in the configuration file `origin` points: a relative path is
+/// taken from the file's own directory, so `serve` and `status` started from anywhere find
+/// the same files (resolved against the working directory, a node started in its
+/// config's directory and `netblk status` run elsewhere disagreed on its control socket).
+/// `origin` without a directory (a file in the working directory, or text given in a
+/// test) leaves the path as it is.
+pub fn beside_config(origin: &str, path: &Path) -> std::path::PathBuf {
+    match Path::new(origin).parent() {
+        Some(dir) if path.is_relative() && !dir.as_os_str().is_empty() => dir.join(path),
+        _ => path.to_path_buf(),
+    }
+}
+
+/// A backing spec with its path taken from the config file's directory ([`beside_config`]).
+pub fn backing_beside_config(origin: &str, spec: BackingSpec) -> BackingSpec {
+    match spec {
+        BackingSpec::Path(path) => BackingSpec::Path(beside_config(origin, &path)),
+        memory => memory,
+    }
+}
+
+/// A listen address with a Unix socket path taken from the config file's directory.
+pub fn listen_beside_config(
+    origin: &str,
+    listen: crate::listen::ListenAddr,
+) -> crate::listen::ListenAddr {
+    match listen {
+        crate::listen::ListenAddr::Unix(path) => {
+            crate::listen::ListenAddr::Unix(beside_config(origin, &path))
+        }
+        tcp => tcp,
     }
 }
 

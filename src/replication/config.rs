@@ -23,7 +23,6 @@
 //! ...
 //! ```
 
-use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -31,7 +30,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::backend::{BackingSpec, CacheMode};
-use crate::config::ConfigError;
+use crate::config::{backing_beside_config, beside_config, listen_beside_config, ConfigError};
 use crate::listen::ListenAddr;
 use crate::size::parse_size;
 
@@ -191,7 +190,6 @@ impl ResourceConfig {
             ));
         }
         let mut nodes: Vec<NodeConfig> = Vec::new();
-        let mut paths_seen = HashSet::new();
         for (i, node) in raw.nodes.into_iter().enumerate() {
             let key = |field: &str| format!("node[{i}].{field}");
             check_name(&node.name).map_err(|e| invalid(&key("name"), e))?;
@@ -220,12 +218,14 @@ impl ResourceConfig {
                 ));
             }
             let listen = ListenAddr::parse(&node.listen).map_err(|e| invalid(&key("listen"), e))?;
+            let listen = listen_beside_config(origin, listen);
             let backing =
                 BackingSpec::parse(&node.backing).map_err(|e| invalid(&key("backing"), e))?;
+            let backing = backing_beside_config(origin, backing);
             if node.metadata.is_empty() {
                 return Err(invalid(&key("metadata"), "the path is empty".into()));
             }
-            let metadata = PathBuf::from(&node.metadata);
+            let metadata = beside_config(origin, Path::new(&node.metadata));
             if let BackingSpec::Path(path) = &backing {
                 if path == &metadata {
                     return Err(invalid(
@@ -238,23 +238,18 @@ impl ResourceConfig {
                 Some(text) if text.is_empty() => {
                     return Err(invalid(&key("control"), "the path is empty".into()))
                 }
-                Some(text) => PathBuf::from(text),
+                Some(text) => beside_config(origin, Path::new(&text)),
                 None => {
                     let mut path = metadata.clone().into_os_string();
                     path.push(".ctl");
                     PathBuf::from(path)
                 }
             };
-            // Nodes may share one machine (tests, one host per namespace), so two nodes
-            // writing one file would corrupt both.
-            for (what, path) in [("metadata", &metadata), ("control", &control)] {
-                if !paths_seen.insert(path.clone()) {
-                    return Err(invalid(
-                        &key(what),
-                        format!("{} is used by two nodes", path.display()),
-                    ));
-                }
-            }
+            // Nodes on different hosts may well name the same paths (one resource file,
+            // the same layout on every host), so they are not refused here. Nodes sharing
+            // one host cannot share a file either: a node refuses metadata that names
+            // another node (or that a running node has locked), and a control socket that
+            // another process answers on.
             let cache = node
                 .cache
                 .map(|text| {
@@ -377,6 +372,44 @@ mod tests {
         assert!(missing.contains("alpha, beta"), "{missing}");
     }
 
+    /// The README's example, as an operator copies it: one file for hosts whose paths
+    /// are laid out alike (until session 69 it was refused, "used by two nodes").
+    #[test]
+    fn the_readmes_resource_file_is_accepted() {
+        let readme = include_str!("../../README.md");
+        let section = &readme[readme.find("## Replication").unwrap()..];
+        let start = section.find("```toml\n").unwrap() + "```toml\n".len();
+        let text = &section[start..start + section[start..].find("```").unwrap()];
+        let config = ResourceConfig::parse(text, "r0.toml").unwrap();
+        assert_eq!(config.nodes.len(), 2);
+        assert_eq!(config.nodes[0].metadata, config.nodes[1].metadata);
+    }
+
+    /// Relative paths are taken from the resource file's directory, whatever the working
+    /// directory of `serve` or `status`.
+    #[test]
+    fn relative_paths_are_taken_from_the_files_directory() {
+        let text = TWO_NODES
+            .replace("/tmp/a.img", "data/r0.img")
+            .replace("/tmp/a.meta", "a.meta")
+            .replace("unix:/tmp/b.sock", "unix:b.sock");
+        let config = ResourceConfig::parse(&text, "/etc/netblk/r0.toml").unwrap();
+        let alpha = &config.nodes[0];
+        assert_eq!(alpha.metadata, Path::new("/etc/netblk/a.meta"));
+        assert_eq!(alpha.control, Path::new("/etc/netblk/a.meta.ctl"));
+        assert_eq!(
+            alpha.backing,
+            BackingSpec::Path("/etc/netblk/data/r0.img".into())
+        );
+        assert_eq!(
+            config.nodes[1].listen,
+            ListenAddr::Unix("/etc/netblk/b.sock".into())
+        );
+        // A file in the working directory keeps them relative to it, as given.
+        let config = ResourceConfig::parse(&text, "r0.toml").unwrap();
+        assert_eq!(config.nodes[0].metadata, Path::new("a.meta"));
+    }
+
     #[test]
     fn resource_files_are_told_from_export_files() {
         assert!(is_resource_file(TWO_NODES));
@@ -395,7 +428,7 @@ mod tests {
 
     #[test]
     fn errors_name_the_key_and_why() {
-        let cases: [(&str, &str, &str); 13] = [
+        let cases: [(&str, &str, &str); 12] = [
             ("name = \"r0\"", "name = \"\"", "resource.name"),
             ("name = \"r0\"", "name = \"r 0\"", "resource.name"),
             (
@@ -443,11 +476,6 @@ mod tests {
                 "backing = \"memory:1G\"",
                 "backing = \"memory:0\"",
                 "node[1].backing",
-            ),
-            (
-                "metadata = \"/tmp/b.meta\"",
-                "metadata = \"/tmp/a.meta\"",
-                "node[1].metadata",
             ),
         ];
         for (from, to, key) in cases {

@@ -200,6 +200,14 @@ pub struct Shared {
     /// Set by an operator's `promote` or `demote` (the control socket): from then on the
     /// role is theirs, and a `--primary` start still waiting for its peers does not take it.
     role_commanded: AtomicBool,
+    /// Whether this node's data has been known to be the newest since it started: it was
+    /// primary when it stopped, it has been primary since, or a primary has brought it up
+    /// to date. One that has not (a secondary restarted while its peers are away) may lack
+    /// writes a peer acknowledged alone after this node went down: it is promoted without
+    /// force only with every peer connected, their generations compared (review, session
+    /// 69: a secondary killed, its primary writing degraded and then killed, the secondary
+    /// restarted alone with `--primary` took the role after the wait and served stale data).
+    data_confirmed: AtomicBool,
     /// Set after the final flush: connections ending now lose nothing.
     stopping: AtomicBool,
     next_seq: AtomicU64,
@@ -277,6 +285,7 @@ impl Shared {
             peers,
             primary: AtomicBool::new(false),
             role_commanded: AtomicBool::new(false),
+            data_confirmed: AtomicBool::new(was_primary),
             stopping: AtomicBool::new(false),
             next_seq: AtomicU64::new(1),
             next_epoch: AtomicU64::new(1),
@@ -384,6 +393,21 @@ impl Shared {
             }
         }
         let fresh = sb.generations.current == JUST_CREATED;
+        let every_peer_connected = self.peers.iter().all(|slot| {
+            slot.conn
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_some()
+        });
+        if !force && !fresh && !every_peer_connected && !self.data_confirmed.load(Ordering::Acquire)
+        {
+            return Err(
+                "this node was secondary when it stopped and has not been in touch \
+                 with every peer since it started: one may hold writes it acknowledged after \
+                 this node went down; start the peers, or use --force if none has newer data"
+                    .into(),
+            );
+        }
         if !force && !fresh && sb.disk != DiskState::UpToDate {
             return Err(format!(
                 "this node's data is {:?}: it may be older than a peer's; use --force to promote anyway",
@@ -409,6 +433,7 @@ impl Shared {
         })
         .map_err(|e| e.to_string())?;
         self.primary.store(true, Ordering::Release);
+        self.data_confirmed.store(true, Ordering::Release);
         info!(
             generation = format!("{:#x}", meta.superblock().generations.current),
             "promoted to primary"
@@ -1444,6 +1469,7 @@ impl Shared {
             });
         match result {
             Ok(()) => {
+                self.data_confirmed.store(true, Ordering::Release);
                 info!("in sync with the primary: up to date");
                 // A detached disk that took a whole resync holds the data again.
                 if self.detached.swap(false, Ordering::AcqRel) {

@@ -809,6 +809,85 @@ fn netblk(args: &[&str], config: &Path) -> std::process::Output {
         .unwrap()
 }
 
+/// `demote` on a secondary changes nothing: it answers "already secondary" and keeps its
+/// link (it dropped every link, so the primary went on degraded and resynced it; review,
+/// session 69).
+#[test]
+fn demoting_a_secondary_keeps_its_link() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair(dir.path());
+    let primary = start_node(&config, "alpha", true);
+    let secondary = start_node(&config, "beta", false);
+    wait_for_log(
+        "secondary",
+        || secondary.stderr(),
+        "in sync with the primary",
+        1,
+    );
+    let demote = netblk(&["demote", "--node", "beta"], &config);
+    assert!(demote.status.success(), "{demote:?}");
+    assert!(
+        String::from_utf8_lossy(&demote.stdout).contains("already secondary"),
+        "{demote:?}"
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let log = primary.stderr();
+    assert!(!log.contains("peer lost"), "{log}");
+    assert!(primary.stop().success());
+    assert!(secondary.stop().success());
+}
+
+/// An operator's `promote` sent while a `demote` of the same node is still flushing waits
+/// for it, so the answers come in the order the role changed. It ran inside the demotion:
+/// the promote answered first, then the demote answered "demoted" and recorded secondary
+/// under a node that stayed primary (review, session 69).
+#[test]
+fn a_promote_during_a_demotion_waits_for_it() {
+    if !have("qemu-io") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair(dir.path());
+    let primary = start_node(&config, "alpha", true);
+    let secondary = start_node(&config, "beta", false);
+    wait_for_log(
+        "secondary",
+        || secondary.stderr(),
+        "in sync with the primary",
+        1,
+    );
+    // A stopped peer, so that the demotion's flush waits for it (a peer timeout, 1 s).
+    let out = qemu_io(&primary.uri(), &["write -P 3 0 1M"]);
+    assert!(out.status.success(), "{out:?}");
+    let signal = |name: &str| {
+        run(Command::new("kill").args([name, &secondary.pid().to_string()]));
+    };
+    signal("-STOP");
+    let command = |command: &'static str| {
+        let config = config.clone();
+        std::thread::spawn(move || {
+            let out = netblk(&[command, "--node", "alpha"], &config);
+            (out, std::time::Instant::now())
+        })
+    };
+    let demote = command("demote");
+    std::thread::sleep(Duration::from_millis(100));
+    let promote = command("promote");
+    let (demoted, demoted_at) = demote.join().unwrap();
+    let (promoted, promoted_at) = promote.join().unwrap();
+    assert!(demoted.status.success(), "{demoted:?}");
+    assert!(promoted.status.success(), "{promoted:?}");
+    assert!(
+        demoted_at < promoted_at,
+        "the promote answered {:?} before the demote did",
+        demoted_at - promoted_at
+    );
+    signal("-CONT");
+    assert_eq!(status_json(&config, "alpha")["status"]["role"], "primary");
+    assert!(primary.stop().success());
+    assert!(secondary.stop().success());
+}
+
 /// A demotion during a slow resync does not wait for the pass to end (it waited for all
 /// 32 MiB at 2 MB/s, 13.7 s, refusing writes throughout): a run no longer holds its range
 /// lock while it waits for the pacer, and the resync starts no new runs once the node is

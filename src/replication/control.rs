@@ -323,6 +323,7 @@ async fn answer(shared: &Shared, request: &str) -> Reply {
         ["status"] => done(Ok(String::new())),
         ["promote"] | ["promote", "--force"] => {
             let force = words.len() == 2;
+            let _role = shared.role_change.lock().await;
             shared.note_role_command();
             let result = shared.promote(force).map(|promoted| {
                 if promoted {
@@ -335,7 +336,14 @@ async fn answer(shared: &Shared, request: &str) -> Reply {
             done(result)
         }
         ["demote"] => {
+            let _role = shared.role_change.lock().await;
+            // Also ends a `--primary` start's wait for its peers: the operator chose.
             shared.note_role_command();
+            if !shared.is_primary() {
+                // Nothing to make durable, and no link to drop: dropping them made the
+                // primary go on degraded and resync this node (review, session 69).
+                return done(Ok("already secondary".into()));
+            }
             let result = shared.demote().await.map(|()| {
                 shared.drop_connections();
                 "demoted to secondary".to_string()

@@ -208,6 +208,12 @@ pub struct Shared {
     /// 69: a secondary killed, its primary writing degraded and then killed, the secondary
     /// restarted alone with `--primary` took the role after the wait and served stale data).
     data_confirmed: AtomicBool,
+    /// Held by an operator's `promote` or `demote` from start to answer, so that one runs
+    /// after the other, never inside it: a demotion lets go of the role at once but
+    /// records it only after its flush, and a promote in that gap succeeded, then the
+    /// demotion answered "demoted" too and recorded secondary under a primary (review,
+    /// session 69).
+    pub role_change: tokio::sync::Mutex<()>,
     /// Set after the final flush: connections ending now lose nothing.
     stopping: AtomicBool,
     next_seq: AtomicU64,
@@ -286,6 +292,7 @@ impl Shared {
             primary: AtomicBool::new(false),
             role_commanded: AtomicBool::new(false),
             data_confirmed: AtomicBool::new(was_primary),
+            role_change: tokio::sync::Mutex::new(()),
             stopping: AtomicBool::new(false),
             next_seq: AtomicU64::new(1),
             next_epoch: AtomicU64::new(1),

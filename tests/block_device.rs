@@ -814,13 +814,32 @@ fn a_node_whose_final_flush_fails_leaves_its_extents_for_resync() {
     }
     let (_failing, _dir, args) = alpha_on_a_failing_device();
     let mut primary = args.clone();
-    primary.push("--primary".into());
+    let metrics = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().to_string()
+    };
+    primary.extend(["--primary".into(), "--metrics".into(), metrics.clone()]);
     let mut node = Server::start_expecting(&primary, 1);
     let uri = node.uri();
     assert_eq!(
         python(WRITEBACK_FAILS, &[&uri, "flush"]),
         "flush EIO\nother-flush EIO\nother-flush EIO\nread abab\n"
     );
+    // The export's metric says so too, as the node's does (it said 0; review, session 69).
+    let scraped = {
+        use std::io::{Read, Write};
+        let mut stream = std::net::TcpStream::connect(&metrics).unwrap();
+        stream.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+        let mut text = String::new();
+        stream.read_to_string(&mut text).unwrap();
+        text
+    };
+    for line in [
+        "netblk_export_flush_failed{export=\"\"} 1\n",
+        "netblk_replication_flush_failed{",
+    ] {
+        assert!(scraped.contains(line), "{line:?} not in:\n{scraped}");
+    }
     let shown = node_status(&args, &[]);
     assert!(
         shown.contains("flushes fail: a sync of the disk failed (Input/output error"),

@@ -1573,6 +1573,12 @@ impl Backend for ReplicatedBackend {
         caps
     }
 
+    /// The local disk's, as the node's status shows it: the export's metric said FLUSH
+    /// worked while the node's said it failed (review, session 69).
+    fn flush_stopped(&self) -> Option<std::io::Error> {
+        self.shared.local.flush_stopped()
+    }
+
     fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
         backend_future(async move {
             if self.shared.is_detached() {

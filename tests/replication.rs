@@ -1428,6 +1428,42 @@ fn a_resync_over_a_slow_link_keeps_client_writes_prompt() {
     assert_same_files(&dir.path().join("alpha.img"), &dir.path().join("beta.img"));
 }
 
+/// The metrics answer while a `--primary` start waits for its peers: a scrape then hung
+/// until the wait ended, up to a peer timeout, so a scraper would mark the node down while
+/// it decides its role (review, session 69).
+#[test]
+fn metrics_answer_during_the_primary_wait() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair(dir.path());
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(
+        &config,
+        text.replace("peer_timeout = \"1s\"", "peer_timeout = \"20s\""),
+    )
+    .unwrap();
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let primary = start_node_with(&config, "alpha", true, &["--metrics", &metrics]);
+    wait_for_log(
+        "alpha",
+        || primary.stderr(),
+        "waiting up to 20s for the peers",
+        1,
+    );
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(&metrics).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    stream.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut scraped = String::new();
+    stream
+        .read_to_string(&mut scraped)
+        .expect("a scrape during the --primary wait");
+    let line = "netblk_replication_primary{resource=\"r0\",node=\"alpha\"} 0\n";
+    assert!(scraped.contains(line), "{line:?} not in:\n{scraped}");
+    assert!(primary.stop().success());
+}
+
 /// A node's `--metrics` shows its role, disk state and peers beside its export's
 /// requests: the primary's peer connected and replicating with nothing out of sync, then,
 /// the secondary stopped, disconnected with what it misses counted.

@@ -128,20 +128,6 @@ impl Node {
             self.control_path,
             stop_rx.clone(),
         ));
-        // Before any client is served: a client's write on a node that became primary
-        // beside another would start a split brain.
-        // A stop signal during the wait ends it without taking the role (re-review, session
-        // 66: the wait ignored SIGTERM and even a second SIGINT, then promoted and stopped).
-        let mut stopped_early = false;
-        if self.take_primary {
-            tokio::select! {
-                () = take_primary_role(&self.shared) => {}
-                _ = &mut shutdown => {
-                    info!("stopping before the primary role was taken");
-                    stopped_early = true;
-                }
-            }
-        }
         let export = Arc::new(Export::new(
             String::new(),
             format!(
@@ -173,6 +159,21 @@ impl Node {
                 },
             ))
         });
+        // Before any client is served: a client's write on a node that became primary
+        // beside another would start a split brain. After the metrics are up: a scrape
+        // during the wait hung until it ended, up to a peer timeout (review, session 69).
+        // A stop signal during the wait ends it without taking the role (re-review, session
+        // 66: the wait ignored SIGTERM and even a second SIGINT, then promoted and stopped).
+        let mut stopped_early = false;
+        if self.take_primary {
+            tokio::select! {
+                () = take_primary_role(&self.shared) => {}
+                _ = &mut shutdown => {
+                    info!("stopping before the primary role was taken");
+                    stopped_early = true;
+                }
+            }
+        }
         let config = ServerConfig {
             exports: vec![export],
             handshake_timeout: self.client_options.handshake_timeout,

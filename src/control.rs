@@ -130,7 +130,10 @@ pub async fn serve<F, A>(
             };
             let mut text = serde_json::to_string(&reply).expect("serializable reply");
             text.push('\n');
-            let _ = write.write_all(text.as_bytes()).await;
+            // Within the request's time: a client that never reads a reply larger than
+            // the socket's buffer held its place for as long as it stayed connected, and
+            // sixteen of them kept the socket busy (review, session 69).
+            let _ = tokio::time::timeout(REQUEST_TIMEOUT, write.write_all(text.as_bytes())).await;
         });
     };
     accept_bounded(
@@ -254,11 +257,17 @@ pub fn request(path: &Path, request: &str) -> Result<Reply, ControlError> {
         path: shown.clone(),
         source,
     };
-    stream
-        .write_all(format!("{request}\n").as_bytes())
-        .map_err(io)?;
+    // A server that answers at once without reading (busy, or a request too long) may
+    // have closed before the request was all written: its answer still waits to be read
+    // (the write's EPIPE was shown instead of "busy"; review, session 69).
+    let written = stream.write_all(format!("{request}\n").as_bytes());
     let mut line = String::new();
-    BufReader::new(stream).read_line(&mut line).map_err(io)?;
+    let read = BufReader::new(stream).read_line(&mut line);
+    if let Ok(reply) = serde_json::from_str(&line) {
+        return Ok(reply);
+    }
+    written.map_err(io)?;
+    read.map_err(io)?;
     serde_json::from_str(&line).map_err(|source| ControlError::BadReply {
         path: shown.clone(),
         source,
@@ -403,6 +412,10 @@ mod tests {
             let started = std::time::Instant::now();
             let busy = request(&asking, "status").unwrap();
             assert!(started.elapsed() < std::time::Duration::from_secs(2));
+            // A request the server closes on before it is all written is still told
+            // "busy", not the write's EPIPE (review, session 69).
+            let long = request(&asking, &"status ".repeat(1 << 18)).unwrap();
+            assert!(!long.ok && long.message.contains("busy"), "{long:?}");
             drop(idle);
             std::thread::sleep(std::time::Duration::from_millis(200));
             (busy, request(&asking, "status").unwrap())

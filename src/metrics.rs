@@ -428,7 +428,9 @@ fn replication(out: &mut Exposition, node: &Status) {
 
 /// The longest request head the endpoint reads.
 const MAX_HEAD: usize = 8192;
-/// How long a metrics client may take to send its request head.
+/// How long a metrics client may take to send its request head, and to take its answer:
+/// one that never reads an answer larger than its socket's buffer would otherwise hold a
+/// place for as long as it stays connected.
 const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 /// Metrics requests served at once; one more is closed at once (as the control socket's).
 const MAX_REQUESTS: usize = 16;
@@ -453,6 +455,9 @@ pub fn parse_request(bytes: &[u8]) -> Asked {
     match request.parse(bytes) {
         Ok(httparse::Status::Complete(_)) => {}
         Ok(httparse::Status::Partial) => return Asked::Incomplete,
+        Err(httparse::Error::TooManyHeaders) => {
+            return Asked::Refused(431, "Request Header Fields Too Large")
+        }
         Err(_) => return Asked::Refused(400, "Bad Request"),
     }
     let head_only = match request.method {
@@ -530,24 +535,39 @@ where
         Asked::Refused(status, reason) => (status, reason, format!("{reason}\n"), false),
         Asked::Incomplete => unreachable!("answered only once complete"),
     };
+    // The exposition format's type only on the metrics themselves; 405 names the methods.
+    let (content_type, allow) = match status {
+        200 => ("text/plain; version=0.0.4; charset=utf-8", ""),
+        405 => ("text/plain; charset=utf-8", "Allow: GET, HEAD\r\n"),
+        _ => ("text/plain; charset=utf-8", ""),
+    };
     let mut reply = format!(
-        "HTTP/1.1 {status} {reason}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        "HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\n{allow}Content-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
     );
     if !head_only {
         reply.push_str(&body);
     }
-    stream.write_all(reply.as_bytes()).await?;
-    stream.shutdown().await
+    match tokio::time::timeout(HEAD_TIMEOUT, async {
+        stream.write_all(reply.as_bytes()).await?;
+        stream.shutdown().await
+    })
+    .await
+    {
+        Ok(done) => done,
+        Err(_) => Err(std::io::ErrorKind::TimedOut.into()),
+    }
 }
 
 /// Binds the metrics endpoint at `addr` (`HOST:PORT`).
 pub async fn bind(addr: &str) -> anyhow::Result<TcpListener> {
     use anyhow::Context;
-    let parsed: SocketAddr = addr
-        .parse()
-        .with_context(|| format!("--metrics {addr}: expected HOST:PORT, e.g. 127.0.0.1:9810"))?;
-    TcpListener::bind(parsed)
+    // A name resolves as --listen's does (`localhost:9810` was refused).
+    let parsed: Vec<SocketAddr> = tokio::net::lookup_host(addr)
+        .await
+        .with_context(|| format!("--metrics {addr}: expected HOST:PORT, e.g. 127.0.0.1:9810"))?
+        .collect();
+    TcpListener::bind(parsed.as_slice())
         .await
         .with_context(|| format!("binding the metrics endpoint {addr}"))
 }
@@ -615,6 +635,14 @@ mod tests {
         assert_eq!(
             parse_request(b"\x00\x01garbage\r\n\r\n"),
             Asked::Refused(400, "Bad Request")
+        );
+        let many = format!(
+            "GET / HTTP/1.1\r\n{}\r\n",
+            "a: b\r\n".repeat(MAX_HEADERS + 1)
+        );
+        assert_eq!(
+            parse_request(many.as_bytes()),
+            Asked::Refused(431, "Request Header Fields Too Large")
         );
     }
 

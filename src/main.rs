@@ -605,6 +605,16 @@ fn watch_resync(target: &ControlTarget) -> anyhow::Result<()> {
         "{prefix:>8} [{bar:40}] {bytes}/{total_bytes} {msg} ETA {eta}",
     )?
     .progress_chars("=> ");
+    // This node is the peer's resync target: it does not know the pass's total.
+    let target_style = ProgressStyle::with_template("{prefix:>8} {spinner} {msg}")?;
+    let resync_from = |peer: &control::PeerStatus| {
+        format!(
+            "resync to this node: {} bytes compared ({} received) at {:.1} MiB/s",
+            peer.resync_done_bytes,
+            peer.resync_sent_bytes,
+            control::mib(peer.resync_rate_bytes_per_sec)
+        )
+    };
     let mut shown: HashMap<String, ProgressBar> = HashMap::new();
     loop {
         let reply = netblk::control::request(&path, "status")?;
@@ -625,10 +635,19 @@ fn watch_resync(target: &ControlTarget) -> anyhow::Result<()> {
             for peer in &running {
                 let bar = shown.entry(peer.name.clone()).or_insert_with(|| {
                     let bar = bars.add(ProgressBar::new(peer.resync_total_bytes));
-                    bar.set_style(style.clone());
+                    bar.set_style(if peer.link == "target" {
+                        target_style.clone()
+                    } else {
+                        style.clone()
+                    });
                     bar.set_prefix(peer.name.clone());
                     bar
                 });
+                if peer.link == "target" {
+                    bar.set_message(resync_from(peer));
+                    bar.tick();
+                    continue;
+                }
                 bar.set_length(peer.resync_total_bytes);
                 bar.set_position(peer.resync_done_bytes);
                 // The server's rates, both: the bar's own would be bytes compared per
@@ -645,7 +664,10 @@ fn watch_resync(target: &ControlTarget) -> anyhow::Result<()> {
                 }
             }
         } else {
-            for peer in &running {
+            for peer in running.iter().filter(|p| p.link == "target") {
+                writeln!(std::io::stdout(), "{}: {}", peer.name, resync_from(peer))?;
+            }
+            for peer in running.iter().filter(|p| p.link != "target") {
                 writeln!(
                     std::io::stdout(),
                     "{}: resync {}/{} bytes compared at {:.1} MiB/s, sent at {:.1} MiB/s, ETA {}",

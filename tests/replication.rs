@@ -241,6 +241,61 @@ fn a_killed_secondary_is_resynced_from_the_bitmap_only() {
     assert_same_files(&dir.path().join("alpha.img"), &dir.path().join("beta.img"));
 }
 
+/// A resync target shows its pass too: status and metrics say what the source has
+/// compared and sent so far, and `status --watch` there follows the pass until it ends.
+/// Until session 69 the target showed "0 bytes out of sync" and no pass, and its
+/// `--watch` returned at once (review).
+#[test]
+fn a_resync_target_shows_its_pass() {
+    if !have("qemu-io") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair(dir.path());
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(
+        &config,
+        text.replace("resync_rate = \"1G\"", "resync_rate = \"6M\""),
+    )
+    .unwrap();
+    let (primary, secondary) = start_pair_in_sync(&config);
+    assert!(secondary.stop().success());
+    let out = qemu_io(&primary.uri(), &["write -P 0x3c 0 16M"]);
+    assert!(out.status.success(), "{out:?}");
+    let secondary = start_node(&config, "beta", false);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let peer = loop {
+        let status = status_json(&config, "beta");
+        let peer = status["status"]["peers"][0].clone();
+        if peer["resync_done_bytes"].as_u64().unwrap_or(0) > 0 {
+            break peer;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no pass shown on the target: {status}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(peer["link"], "target", "{peer}");
+    assert_eq!(peer["resync_running"], true, "{peer}");
+    let watched = netblk(&["status", "--watch", "--node", "beta"], &config);
+    assert!(watched.status.success(), "{watched:?}");
+    let text = String::from_utf8_lossy(&watched.stdout);
+    assert!(text.contains("alpha: resync to this node: "), "{text}");
+    assert!(
+        text.contains("peer alpha: target, 0 bytes out of sync, resync from it: 16777216 bytes compared (16777216 received)"),
+        "{text}"
+    );
+    assert!(text.contains("MiB/s, done"), "{text}");
+    let status = status_json(&config, "beta");
+    let peer = &status["status"]["peers"][0];
+    assert_eq!(peer["resync_running"], false, "{peer}");
+    assert_eq!(peer["resync_finished"], true, "{peer}");
+    assert_eq!(peer["resync_sent_bytes"], 16 << 20, "{peer}");
+    assert!(primary.stop().success());
+    assert!(secondary.stop().success());
+}
+
 /// Protocol C's promise under the harshest failover: the primary is SIGKILLed while four
 /// connections keep sixteen writes each in flight (some FUA, with FLUSHes between); the
 /// secondary is promoted and every write any client saw acknowledged is on it (or a newer

@@ -52,9 +52,13 @@ pub struct PeerStatus {
     /// `disconnected`.
     pub link: String,
     pub replicating: bool,
+    /// Bytes the pass compared. On a resync target (`link` is `target`), what the source
+    /// has compared with this node so far: the target does not know the pass's total, so
+    /// `resync_total_bytes` is 0 there and there is no ETA.
     pub resync_done_bytes: u64,
     pub resync_total_bytes: u64,
-    /// Of the bytes resynced, those whose checksums differed and were sent.
+    /// Of the bytes resynced, those whose checksums differed and were sent (received, on
+    /// a target).
     pub resync_sent_bytes: u64,
     /// Bytes this peer misses (its own bitmap).
     pub out_of_sync_bytes: u64,
@@ -426,6 +430,18 @@ pub fn render(status: &Status) -> String {
                 _ if peer.resyncing() => text.push_str(", ETA unknown"),
                 _ if peer.resync_finished => text.push_str(", done"),
                 _ => text.push_str(", stopped"),
+            }
+        } else if peer.link == "target" && (peer.resyncing() || peer.resync_done_bytes > 0) {
+            text.push_str(&format!(
+                ", resync from it: {} bytes compared ({} received), at {:.1} MiB/s",
+                peer.resync_done_bytes,
+                peer.resync_sent_bytes,
+                mib(peer.resync_rate_bytes_per_sec)
+            ));
+            if peer.resyncing() {
+                text.push_str(", running");
+            } else if peer.resync_finished {
+                text.push_str(", done");
             }
         }
         text.push('\n');

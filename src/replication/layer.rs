@@ -237,12 +237,31 @@ pub struct ReplicatedBackend {
 /// had not ended yet.
 struct PassClock<'a>(&'a Mutex<Option<(std::time::Instant, Option<std::time::Instant>)>>);
 
-impl Drop for PassClock<'_> {
-    fn drop(&mut self) {
+impl PassClock<'_> {
+    fn stop(&self) {
         let mut clock = self.0.lock().unwrap_or_else(|e| e.into_inner());
         if let Some((_, end @ None)) = clock.as_mut() {
             *end = Some(std::time::Instant::now());
         }
+    }
+}
+
+impl Drop for PassClock<'_> {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+impl PeerSlot {
+    /// Starts the figures of a pass (as its source, or as its target: see
+    /// [`Shared::note_resync_received`]).
+    fn start_pass(&self, total_regions: u64) {
+        self.resync_total.store(total_regions, Ordering::Relaxed);
+        self.resync_done.store(0, Ordering::Relaxed);
+        self.resync_sent.store(0, Ordering::Relaxed);
+        self.resync_finished.store(false, Ordering::Release);
+        *self.resync_clock.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some((std::time::Instant::now(), None));
     }
 }
 
@@ -552,6 +571,11 @@ impl Shared {
         // tells more than whichever waiter saw the close first (re-review).
         let why = conn.close_reason().unwrap_or_else(|| why.to_string());
         let why = why.as_str();
+        // A resync target's pass ends with its link (a source's clock stops as its pass
+        // task ends).
+        if conn.plan == Plan::Target {
+            PassClock(&slot.resync_clock).stop();
+        }
         *slot.lost.lock().unwrap_or_else(|e| e.into_inner()) = Some(why.to_string());
         if conn.peer_disk_failed() {
             slot.disk_failed.store(true, Ordering::Release);
@@ -1147,12 +1171,7 @@ impl Shared {
         // The union of both bitmaps: the target's arrives first.
         conn.wait_peer_bitmap(self.resource.peer_timeout).await?;
         let total = self.meta().out_of_sync_regions(slot.index);
-        slot.resync_total.store(total, Ordering::Relaxed);
-        slot.resync_done.store(0, Ordering::Relaxed);
-        slot.resync_sent.store(0, Ordering::Relaxed);
-        slot.resync_finished.store(false, Ordering::Release);
-        *slot.resync_clock.lock().unwrap_or_else(|e| e.into_inner()) =
-            Some((std::time::Instant::now(), None));
+        slot.start_pass(total);
         // However the pass ends (done, failed, or its future dropped), its clock stops, so
         // status shows it ended and not running with an ETA.
         let _pass_clock = PassClock(&slot.resync_clock);
@@ -1455,6 +1474,31 @@ impl Shared {
     pub fn local_state(&self) -> (DiskState, super::generation::Generations) {
         let meta = self.meta();
         (meta.superblock().disk, meta.superblock().generations)
+    }
+
+    /// This node became `source`'s resync target: its status and metrics show the pass
+    /// from here too, as far as a target sees it (review, session 69: a target showed
+    /// "0 bytes out of sync" and no pass at all, and `status --watch` there ended at once).
+    pub fn begin_pass_as_target(&self, source: &str) {
+        if let Some(slot) = self.slot_named(source) {
+            slot.start_pass(0);
+        }
+    }
+
+    /// A resync target compared `regions` with its source and received `bytes` of them.
+    pub fn note_resync_received(&self, source: &str, regions: u64, bytes: u64) {
+        if let Some(slot) = self.slot_named(source) {
+            slot.resync_done.fetch_add(regions, Ordering::Relaxed);
+            slot.resync_sent.fetch_add(bytes, Ordering::Relaxed);
+        }
+    }
+
+    /// The pass from `source` ended: this node is up to date.
+    pub fn end_pass_as_target(&self, source: &str) {
+        if let Some(slot) = self.slot_named(source) {
+            slot.resync_finished.store(true, Ordering::Release);
+            PassClock(&slot.resync_clock).stop();
+        }
     }
 
     /// The primary finished resyncing this node: take its generations, up to date.

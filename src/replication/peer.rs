@@ -734,6 +734,7 @@ async fn run_connection(
                 warn!(peer = %hello.node, "cannot record this disk's state before the resync ({e}): dropping the link");
                 conn.close();
             }
+            shared.begin_pass_as_target(&hello.node);
             // What this node itself may have different (its logged extents after a crash
             // as primary, for one) must be resynced too; a disk marked inconsistent with
             // the primary's generation (detached after an I/O error) has no record of
@@ -1090,6 +1091,7 @@ async fn handle<'a>(
             checksums,
         } => {
             must_be_target("a resync checksum")?;
+            shared.note_resync_received(&conn.peer, checksums.len() as u64, 0);
             let fits = in_range(size, offset, u64::from(length));
             applying.push(backend_future(async move {
                 if !fits {
@@ -1111,6 +1113,7 @@ async fn handle<'a>(
         }
         Message::ResyncData { id, offset, data } => {
             must_be_target("resync data")?;
+            shared.note_resync_received(&conn.peer, 0, data.len() as u64);
             let fits = in_range(size, offset, data.len() as u64);
             applying.push(backend_future(async move {
                 // Made durable by the barrier the source sends before it clears the bit.
@@ -1178,6 +1181,7 @@ async fn handle<'a>(
                     return Err(format!("flush before adopting the primary's state: {e}"));
                 }
                 shared.adopt_state_from_primary(generations);
+                shared.end_pass_as_target(&conn.peer);
             }
         }
         Message::NewGeneration { generations } => {

@@ -83,6 +83,13 @@ impl ExportConfig {
             BackingSpec::Memory { size } => Some(size),
             BackingSpec::Path(_) => None,
         };
+        if memory.is_some() && self.cache.is_some() {
+            // Accepted silently, it looked as if it did something (review, session 69).
+            return Err((
+                "cache",
+                "a memory backing has no cache mode (only files and block devices have one)".into(),
+            ));
+        }
         for (field, size) in [("size", self.size), ("backing", memory)] {
             if size.is_some_and(|size| size > MAX_EXPORT_SIZE) {
                 return Err((
@@ -368,6 +375,8 @@ mod tests {
 
     #[test]
     fn errors_name_the_key_and_why() {
+        let e = error_of("[[export]]\nname = \"a\"\nbacking = \"memory:1M\"\ncache = \"none\"\n");
+        assert!(e.contains("export[0].cache"), "{e}");
         let e = error_of("[[export]]\nname = \"a\"\nbacking = \"memory:1M\"\ncolour = 1\n");
         assert!(e.contains("colour"), "{e}");
         let e = error_of("[[export]]\nname = \"a\"\nbacking = \"memory:lots\"\n");

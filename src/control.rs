@@ -228,6 +228,8 @@ async fn read_request_line(
 /// `netblk` prints the chain, and a message that also quoted it printed the OS error twice.
 #[derive(Debug, thiserror::Error)]
 pub enum ControlError {
+    #[error("{path} is not a control socket")]
+    NotASocket { path: String },
     #[error("cannot reach the server at {path} (is it running?)")]
     Connect {
         path: String,
@@ -248,11 +250,18 @@ pub enum ControlError {
 /// Sends one request to a control socket and returns its reply.
 pub fn request(path: &Path, request: &str) -> Result<Reply, ControlError> {
     let shown = path.display().to_string();
-    let mut stream =
-        std::os::unix::net::UnixStream::connect(path).map_err(|source| ControlError::Connect {
-            path: shown.clone(),
-            source,
-        })?;
+    let mut stream = std::os::unix::net::UnixStream::connect(path).map_err(|source| {
+        use std::os::unix::fs::FileTypeExt;
+        match std::fs::metadata(path) {
+            Ok(found) if !found.file_type().is_socket() => ControlError::NotASocket {
+                path: shown.clone(),
+            },
+            _ => ControlError::Connect {
+                path: shown.clone(),
+                source,
+            },
+        }
+    })?;
     let io = |source| ControlError::Io {
         path: shown.clone(),
         source,

@@ -64,6 +64,8 @@ enum Commands {
     Promote {
         #[command(flatten)]
         target: ControlTarget,
+        /// Promote even when this node's data may be older than a peer's (a new data
+        /// generation starts).
         #[arg(long)]
         force: bool,
     },
@@ -307,6 +309,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
                     "backing" => "BACKING",
                     "name" => "--name",
                     "description" => "--description",
+                    "cache" => "--cache",
                     _ => "--size",
                 };
                 anyhow::anyhow!("{option}: {why}")
@@ -583,11 +586,25 @@ fn control_path(target: &ControlTarget) -> anyhow::Result<std::path::PathBuf> {
     use netblk::replication::config::ResourceConfig;
     Ok(match (&target.control, &target.config, &target.node) {
         (Some(path), _, _) => path.clone(),
-        (None, Some(config), Some(node)) => ResourceConfig::load(config)?
-            .node(node)
-            .map_err(anyhow::Error::msg)?
-            .control
-            .clone(),
+        (None, Some(config), Some(node)) => {
+            let text = netblk::config::ConfigError::read_text(config)?;
+            // Valid TOML without [resource] (a plain server's config); other text gets
+            // the parser's own error below.
+            let plain = toml::from_str::<toml::Table>(&text).is_ok()
+                && !netblk::replication::config::is_resource_file(&text);
+            if plain {
+                bail!(
+                    "{} is not a resource file (no [resource] table): for a plain server, \
+                     give its --control PATH",
+                    config.display()
+                );
+            }
+            ResourceConfig::parse(&text, &config.display().to_string())?
+                .node(node)
+                .map_err(anyhow::Error::msg)?
+                .control
+                .clone()
+        }
         _ => bail!("give --config FILE --node NAME, or --control PATH"),
     })
 }
@@ -708,7 +725,8 @@ fn run_control_command(target: &ControlTarget, request: &str, json: bool) -> any
         if let Some(text) = &json_text {
             writeln!(stdout, "{text}")?;
         } else {
-            if !reply.message.is_empty() {
+            // A refusal's reason goes to stderr once, below (it printed on both).
+            if reply.ok && !reply.message.is_empty() {
                 writeln!(stdout, "{}", reply.message)?;
             }
             if let Some(status) = &reply.status {

@@ -142,6 +142,30 @@ fn bad_command_lines_are_clear_errors() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains("need --config"), "{err}");
     }
+    // A cache mode for memory did nothing; said so now (review, session 69).
+    let out = netblk(&["serve", "--cache", "none", "memory:1M"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--cache: a memory backing has no cache mode"),
+        "{err}"
+    );
+    // Control commands aimed at the wrong thing say what it is (they said "unknown field
+    // `listen`" and "is it running?"; review, session 69).
+    let plain = dir.path().join("plain.toml");
+    std::fs::write(
+        &plain,
+        "[[export]]\nname = \"a\"\nbacking = \"memory:1M\"\n",
+    )
+    .unwrap();
+    let out = netblk(&["status", "--config", plain.to_str().unwrap(), "--node", "a"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("is not a resource file"), "{err}");
+    let out = netblk(&["status", "--control", plain.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("is not a control socket"), "{err}");
 }
 
 #[test]

@@ -312,7 +312,7 @@ impl FileBackend {
         if !exists {
             let Some(size) = size else {
                 bail!(
-                    "{} does not exist (give --size to create it)",
+                    "{} does not exist (give a size to create it: --size, or `size` in a config file)",
                     path.display()
                 );
             };
@@ -377,7 +377,7 @@ impl FileBackend {
         if let Some(size) = size {
             if size != actual {
                 bail!(
-                    "{} is {actual} bytes but --size asks for {size}; netblk never resizes existing storage",
+                    "{} is {actual} bytes but the size given (--size, or `size` in a config file) is {size}; netblk never resizes existing storage",
                     path.display()
                 );
             }

@@ -257,6 +257,13 @@ impl ResourceConfig {
                         .map_err(|e| invalid(&key("cache"), e))
                 })
                 .transpose()?;
+            if cache.is_some() && matches!(backing, BackingSpec::Memory { .. }) {
+                return Err(invalid(
+                    &key("cache"),
+                    "a memory backing has no cache mode (only files and block devices have one)"
+                        .into(),
+                ));
+            }
             nodes.push(NodeConfig {
                 name: node.name,
                 replication,
@@ -482,6 +489,13 @@ mod tests {
             let e = error_of(|text| text.replacen(from, to, 1));
             assert!(e.contains(key), "{to}: {e}");
         }
+        let e = error_of(|text| {
+            text.replace(
+                "backing = \"memory:1G\"",
+                "backing = \"memory:1G\"\ncache = \"none\"",
+            )
+        });
+        assert!(e.contains("node[1].cache") && e.contains("memory"), "{e}");
         let e = error_of(|text| text.replace("size = \"1G\"", "colour = \"red\""));
         assert!(e.contains("colour"), "{e}");
         let e = error_of(|text| {

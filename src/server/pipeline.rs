@@ -797,6 +797,7 @@ impl Pipeline {
             length = header.length,
             "refused request: the server is stopping"
         );
+        self.tally.refused();
         self.queue_error_reply(header, NbdError::Shutdown, "the server is stopping");
         Ok(())
     }

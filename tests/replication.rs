@@ -765,14 +765,19 @@ fn nodes_that_both_wrote_alone_are_a_split_brain_never_merged() {
     wait_for_log("beta", || beta.stderr(), "in sync with the primary", 1);
     assert!(alpha.stop().success());
     assert!(beta.stop().success());
-    // Each writes while the other is down.
-    let alpha = start_node(&config, "alpha", true);
+    // Each writes while the other is down: forced, as a node restarted alone may not
+    // hold the newest data (its peer may have written meanwhile, as beta does here).
+    let alpha = start_node(&config, "alpha", false);
+    let promote = netblk(&["promote", "--node", "alpha"], &config);
+    assert!(!promote.status.success(), "{promote:?}");
+    let promote = netblk(&["promote", "--force", "--node", "alpha"], &config);
+    assert!(promote.status.success(), "{promote:?}");
     let out = qemu_io(&alpha.uri(), &["write -P 1 0 64k"]);
     assert!(out.status.success(), "{out:?}");
     assert!(alpha.stop().success());
-    // Beta was secondary when it stopped and meets no peer: its data may lack what
-    // alpha wrote alone, so `--primary` is refused (until session 69 it took the role
-    // after the wait and served stale data; review). Only force makes it primary.
+    // Beta meets no peer: its data may lack what alpha wrote alone, so `--primary` is
+    // refused (until session 69 it took the role after the wait and served stale data;
+    // review). Only force makes it primary.
     let beta = start_node(&config, "beta", true);
     wait_for_log(
         "beta",

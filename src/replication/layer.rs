@@ -200,13 +200,15 @@ pub struct Shared {
     /// Set by an operator's `promote` or `demote` (the control socket): from then on the
     /// role is theirs, and a `--primary` start still waiting for its peers does not take it.
     role_commanded: AtomicBool,
-    /// Whether this node's data has been known to be the newest since it started: it was
-    /// primary when it stopped, it has been primary since, or a primary has brought it up
-    /// to date. One that has not (a secondary restarted while its peers are away) may lack
-    /// writes a peer acknowledged alone after this node went down: it is promoted without
-    /// force only with every peer connected, their generations compared (review, session
-    /// 69: a secondary killed, its primary writing degraded and then killed, the secondary
-    /// restarted alone with `--primary` took the role after the wait and served stale data).
+    /// Whether this node's data has been known to be the newest since it started: it has
+    /// been primary since, or a primary has brought it up to date. One that has not (any
+    /// node restarted while its peers are away) may lack writes a peer acknowledged alone
+    /// after this node went down: it is promoted without force only with every peer
+    /// connected, their generations compared. Review, session 69: a secondary killed, its
+    /// primary writing degraded and then killed, the secondary restarted alone with
+    /// `--primary` took the role after the wait and served stale data; re-review: the same
+    /// for a primary killed, its secondary promoted and writing, and the old primary
+    /// restarted alone (being primary when it stopped does not make its data the newest).
     data_confirmed: AtomicBool,
     /// Held by an operator's `promote` or `demote` from start to answer, so that one runs
     /// after the other, never inside it: a demotion lets go of the role at once but
@@ -310,7 +312,7 @@ impl Shared {
             peers,
             primary: AtomicBool::new(false),
             role_commanded: AtomicBool::new(false),
-            data_confirmed: AtomicBool::new(was_primary),
+            data_confirmed: AtomicBool::new(false),
             role_change: tokio::sync::Mutex::new(()),
             stopping: AtomicBool::new(false),
             next_seq: AtomicU64::new(1),
@@ -428,9 +430,9 @@ impl Shared {
         if !force && !fresh && !every_peer_connected && !self.data_confirmed.load(Ordering::Acquire)
         {
             return Err(
-                "this node was secondary when it stopped and has not been in touch \
-                 with every peer since it started: one may hold writes it acknowledged after \
-                 this node went down; start the peers, or use --force if none has newer data"
+                "this node has not been in touch with every peer since it started: one \
+                 may hold writes it acknowledged after this node went down; start the \
+                 peers, or use --force if none has newer data"
                     .into(),
             );
         }

@@ -848,6 +848,20 @@ fn a_node_whose_final_flush_fails_leaves_its_extents_for_resync() {
     let json: serde_json::Value = serde_json::from_str(&node_status(&args, &["--json"])).unwrap();
     let why = json["status"]["flush_stopped"].as_str().unwrap_or_default();
     assert!(why.contains("Input/output error"), "{json}");
+    // A demotion's flush fails, and so does its retry: the first let go of the role but
+    // recorded nothing, and the retry said "already secondary" (re-review, session 69).
+    for attempt in 1..=2 {
+        let out = Command::new(env!("CARGO_BIN_EXE_netblk"))
+            .arg("demote")
+            .args(&args[..4])
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && said.contains("flush before demoting failed"),
+            "demote {attempt}: {out:?}"
+        );
+    }
     node.signal("TERM");
     let status = node.wait_exit(Duration::from_secs(30)).unwrap();
     let log = node.stderr();

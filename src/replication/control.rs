@@ -343,7 +343,9 @@ async fn answer(shared: &Shared, request: &str) -> Reply {
             let _role = shared.role_change.lock().await;
             // Also ends a `--primary` start's wait for its peers: the operator chose.
             shared.note_role_command();
-            if !shared.is_primary() {
+            // Secondary in memory and in the metadata: a demotion whose flush failed let
+            // go of the role but recorded nothing, and is tried again (re-review).
+            if !shared.is_primary() && !shared.meta().superblock().primary {
                 // Nothing to make durable, and no link to drop: dropping them made the
                 // primary go on degraded and resync this node (review, session 69).
                 return done(Ok("already secondary".into()));

@@ -599,11 +599,29 @@ fn control_path(target: &ControlTarget) -> anyhow::Result<std::path::PathBuf> {
                     config.display()
                 );
             }
-            ResourceConfig::parse(&text, &config.display().to_string())?
+            let resource = ResourceConfig::parse(&text, &config.display().to_string())?;
+            let path = resource
                 .node(node)
                 .map_err(anyhow::Error::msg)?
                 .control
-                .clone()
+                .clone();
+            // The socket must be this node's: two nodes on one host given one control
+            // path (one refused at its start) sent `promote --node beta` to alpha, which
+            // took it (re-review, session 69).
+            let reply = netblk::control::request(&path, "status")?;
+            if let Some(status) = reply.status {
+                if status.node != *node || status.resource != resource.name {
+                    bail!(
+                        "{} answers for node {} of resource {}, not node {node} of {}: \
+                         give each node its own control path",
+                        path.display(),
+                        status.node,
+                        status.resource,
+                        resource.name
+                    );
+                }
+            }
+            path
         }
         _ => bail!("give --config FILE --node NAME, or --control PATH"),
     })

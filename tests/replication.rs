@@ -897,6 +897,34 @@ fn demoting_a_secondary_keeps_its_link() {
     assert!(secondary.stop().success());
 }
 
+/// Two nodes given one metadata path on one host (a file meant for two hosts, started on
+/// one): the second is refused at its start, and a command for it is refused too rather
+/// than taken by the first node, whose control socket it reached (re-review, session 69:
+/// `promote --node beta` promoted alpha).
+#[test]
+fn a_command_for_one_node_never_reaches_another() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair(dir.path());
+    let text = std::fs::read_to_string(&config).unwrap();
+    let beta_meta = format!("{}/beta.meta", dir.path().display());
+    let alpha_meta = format!("{}/alpha.meta", dir.path().display());
+    std::fs::write(&config, text.replace(&beta_meta, &alpha_meta)).unwrap();
+    let alpha = start_node(&config, "alpha", false);
+    let beta = Command::new(env!("CARGO_BIN_EXE_netblk"))
+        .args(["serve", "--config"])
+        .arg(&config)
+        .args(["--node", "beta"])
+        .output()
+        .unwrap();
+    assert!(!beta.status.success(), "{beta:?}");
+    let promote = netblk(&["promote", "--node", "beta"], &config);
+    assert!(!promote.status.success(), "{promote:?}");
+    let said = String::from_utf8_lossy(&promote.stderr);
+    assert!(said.contains("answers for node alpha"), "{said}");
+    assert_eq!(status_json(&config, "alpha")["status"]["role"], "secondary");
+    assert!(alpha.stop().success());
+}
+
 /// An operator's `promote` sent while a `demote` of the same node is still flushing waits
 /// for it, so the answers come in the order the role changed. It ran inside the demotion:
 /// the promote answered first, then the demote answered "demoted" and recorded secondary

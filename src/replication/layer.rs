@@ -1619,9 +1619,13 @@ impl Backend for ReplicatedBackend {
         caps
     }
 
-    /// The local disk's, as the node's status shows it: the export's metric said FLUSH
-    /// worked while the node's said it failed (review, session 69).
+    /// The local disk's, as the node's status shows it (the export's metric said FLUSH
+    /// worked while the node's said it failed; review, session 69), except while the disk
+    /// is detached: FLUSH goes to the peers then, and works (re-review).
     fn flush_stopped(&self) -> Option<std::io::Error> {
+        if self.shared.is_detached() {
+            return None;
+        }
         self.shared.local.flush_stopped()
     }
 

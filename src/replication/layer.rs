@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::stream::{FuturesUnordered, StreamExt};
-use futures_util::FutureExt;
 use tokio::sync::{oneshot, Notify};
 use tracing::{info, warn};
 
@@ -38,11 +37,6 @@ const RESYNC_RUN_REGIONS: u64 = 16;
 /// workers, so a FUA write (write + fdatasync) per 64 KiB region held the resync of a
 /// 4 GiB device to about 140 MB/s; a flush per 16 MiB costs one fdatasync.
 const RESYNC_FLUSH_REGIONS: usize = 256;
-
-/// How long a resync run may take, from its checksums leaving to its data acknowledged,
-/// before the resync keeps fewer runs in flight: what a client write to the peer waits
-/// behind resync traffic on a link slower than the configured rate.
-const RESYNC_RUN_LATENCY: Duration = Duration::from_millis(100);
 
 /// Protocol A: what a peer may have unacknowledged before writes wait for it, in bytes
 /// of payload (a trim or zeroing counts by its length, at least 64 KiB: `peer::queue_cost`).
@@ -89,53 +83,6 @@ impl Pacer {
             tokio::time::sleep_until(due).await;
         }
     }
-}
-
-/// How many regions a resync keeps in flight: as many as the link carries in
-/// [`RESYNC_RUN_LATENCY`], up to what the configured rate sends in that time. A window
-/// sized from the configured rate alone queued 8 MiB ahead of client writes on a 10 Mbit/s
-/// link, and a client write waited 11.4 s behind it (review, session 68).
-///
-/// Each run that completes says what the link carried: the regions in flight when it
-/// started, over the time it took. The window becomes that rate times the target latency,
-/// growing at most twofold per run, so a run whose checksums all matched (nothing sent, a
-/// quick answer) cannot open it wide at once.
-struct ResyncWindow {
-    regions: u64,
-    most: u64,
-}
-
-impl ResyncWindow {
-    /// Starts at one region, which no link holds for long (64 KiB: 50 ms at 10 Mbit/s);
-    /// on a fast link the first few runs open it in a few milliseconds.
-    fn new(most: u64) -> ResyncWindow {
-        ResyncWindow { regions: 1, most }
-    }
-
-    fn regions(&self) -> u64 {
-        self.regions
-    }
-
-    /// A run finished `took` after it started with `in_flight` regions outstanding
-    /// (its own included).
-    fn observe(&mut self, in_flight: u64, took: Duration) {
-        let carried =
-            in_flight as f64 * RESYNC_RUN_LATENCY.as_secs_f64() / took.as_secs_f64().max(1e-6);
-        let carried = carried.min(u64::MAX as f64) as u64;
-        self.regions = carried
-            .min(self.regions.saturating_mul(2))
-            .clamp(1, self.most);
-    }
-}
-
-/// A resync run that the peer has: its regions, the data bytes sent (the rest had equal
-/// checksums), and how long the link took with it (the wait for the configured rate
-/// left out).
-struct RunDone {
-    first: u64,
-    count: u64,
-    sent: u64,
-    took: Duration,
 }
 
 /// One configured peer and its connection, if any.
@@ -1184,9 +1131,7 @@ impl Shared {
         // waiting for its turn to send (behind the others in flight) holds its range lock
         // briefly. (With a floor of a whole run's 16 regions, 16 scattered regions were 16
         // runs queued in the pacer: at 1 MB/s the last held its lock for 0.94 s.)
-        // A slower link than that keeps fewer (`ResyncWindow`).
-        let most = (rate / 10 / REGION_SIZE).clamp(1, RESYNC_WINDOW);
-        let mut window = ResyncWindow::new(most);
+        let window = (rate / 10 / REGION_SIZE).clamp(1, RESYNC_WINDOW);
         let mut sent_bytes = 0u64;
         let mut region = 0;
         // Several runs in flight, so a resync is not one round trip per run.
@@ -1215,16 +1160,14 @@ impl Shared {
                 let _ = tokio::time::timeout(self.resource.peer_timeout, conn.wait_closed()).await;
                 return Err("this node stopped being primary".into());
             }
-            while primary && on_schedule && !exhausted && regions_in_flight < window.regions() {
+            while primary && on_schedule && !exhausted && regions_in_flight < window {
                 let (first, count) = {
                     let meta = self.meta();
                     let Some(first) = meta.next_out_of_sync(slot.index, region) else {
                         exhausted = true;
                         break;
                     };
-                    // A run is no longer than the window: on a slow link one whole run
-                    // (1 MiB) queued seconds ahead of client writes.
-                    let count = (1..RESYNC_RUN_REGIONS.min(window.regions()))
+                    let count = (1..RESYNC_RUN_REGIONS)
                         .take_while(|&i| meta.is_out_of_sync(slot.index, first + i))
                         .count() as u64
                         + 1;
@@ -1232,8 +1175,7 @@ impl Shared {
                 };
                 region = first + count;
                 regions_in_flight += count;
-                let run = self.resync_run(slot, conn, first, count, size, &pacer);
-                in_flight.push(run.map(move |done| done.map(|run| (run, regions_in_flight))));
+                in_flight.push(self.resync_run(slot, conn, first, count, size, &pacer));
             }
             if exhausted && in_flight.is_empty() {
                 flushes.push(self.resync_flush(slot, conn, std::mem::take(&mut unflushed)));
@@ -1244,9 +1186,7 @@ impl Shared {
             }
             tokio::select! {
                 Some(done) = in_flight.next(), if !in_flight.is_empty() => {
-                    let (run, in_flight_at_start) = done?;
-                    let RunDone { first, count, sent, took } = run;
-                    window.observe(in_flight_at_start, took);
+                    let (first, count, sent) = done?;
                     sent_bytes += sent;
                     regions_in_flight -= count;
                     // Progress (and the rate and ETA shown from it) counts a run when the
@@ -1288,7 +1228,8 @@ impl Shared {
     }
 
     /// Resyncs the run of `count` regions from `first`: the target compares checksums per
-    /// region, and only the regions that differ are sent.
+    /// region, and only the regions that differ are sent. Returns the run and the data
+    /// bytes sent.
     async fn resync_run(
         &self,
         slot: &PeerSlot,
@@ -1297,7 +1238,7 @@ impl Shared {
         count: u64,
         size: u64,
         pacer: &Pacer,
-    ) -> Result<RunDone, String> {
+    ) -> Result<(u64, u64, u64), String> {
         if conn.is_closed() {
             return Err("connection closed".into());
         }
@@ -1313,7 +1254,6 @@ impl Shared {
             .map_err(|e| format!("resync read: {e}"))?
             .bytes();
         let id = self.request_id();
-        let started = tokio::time::Instant::now();
         let reply = conn.request(
             WaitKey::Request(id),
             Message::ResyncChecksum {
@@ -1339,9 +1279,7 @@ impl Shared {
             .filter(|&piece| need & (1 << piece) != 0)
             .map(|piece| REGION_SIZE.min(length - piece * REGION_SIZE))
             .sum();
-        let paced = tokio::time::Instant::now();
         pacer.wait_to_send(sent).await;
-        let waited_for_the_rate = paced.elapsed();
         let mut writes = Vec::new();
         let mut piece = 0;
         while piece < count {
@@ -1381,12 +1319,7 @@ impl Shared {
                 other => return Err(format!("unexpected {} during resync", other.name())),
             }
         }
-        Ok(RunDone {
-            first,
-            count,
-            sent,
-            took: started.elapsed().saturating_sub(waited_for_the_rate),
-        })
+        Ok((first, count, sent))
     }
 
     /// Makes the target's resync writes durable (a barrier: it finishes what it received
@@ -1884,40 +1817,5 @@ mod piece_tests {
         pacer.wait_to_send(1 << 20).await;
         assert_eq!(start.elapsed(), Duration::from_millis(1500));
         assert_eq!(pacer.free_at() - start, Duration::from_millis(2500));
-    }
-
-    /// The window follows what the link carries in the target latency: it shrinks at
-    /// once to what a slow run shows, grows at most twofold per run, and stays between
-    /// one region and what the configured rate allows.
-    #[test]
-    fn the_resync_window_follows_the_link() {
-        let mut window = ResyncWindow::new(RESYNC_WINDOW);
-        assert_eq!(window.regions(), 1);
-        window.observe(1, Duration::from_millis(1));
-        window.observe(2, Duration::from_millis(1));
-        window.observe(4, Duration::from_millis(1));
-        window.observe(8, Duration::from_millis(1));
-        assert_eq!(window.regions(), 16);
-        // 16 regions (1 MiB) took 500 ms: the link carries 2 MB/s, 3 regions in 100 ms.
-        window.observe(16, Duration::from_millis(500));
-        assert_eq!(window.regions(), 3);
-        // Quick runs (checksums that matched, or a fast link) open it twofold at a time.
-        window.observe(3, Duration::from_millis(1));
-        assert_eq!(window.regions(), 6);
-        for _ in 0..10 {
-            window.observe(window.regions(), Duration::from_millis(1));
-        }
-        assert_eq!(window.regions(), RESYNC_WINDOW);
-        // A run that took seconds leaves one region in flight, never none.
-        window.observe(1, Duration::from_secs(5));
-        assert_eq!(window.regions(), 1);
-        window.observe(1, Duration::ZERO);
-        assert_eq!(window.regions(), 2);
-        // A low configured rate caps it.
-        let mut capped = ResyncWindow::new(2);
-        capped.observe(1, Duration::from_millis(1));
-        assert_eq!(capped.regions(), 2);
-        capped.observe(2, Duration::from_millis(1));
-        assert_eq!(capped.regions(), 2);
     }
 }

@@ -826,14 +826,7 @@ fn a_node_whose_final_flush_fails_leaves_its_extents_for_resync() {
         "flush EIO\nother-flush EIO\nother-flush EIO\nread abab\n"
     );
     // The export's metric says so too, as the node's does (it said 0; review, session 69).
-    let scraped = {
-        use std::io::{Read, Write};
-        let mut stream = std::net::TcpStream::connect(&metrics).unwrap();
-        stream.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
-        let mut text = String::new();
-        stream.read_to_string(&mut text).unwrap();
-        text
-    };
+    let scraped = scrape_metrics(&metrics);
     for line in [
         "netblk_export_flush_failed{export=\"\"} 1\n",
         "netblk_replication_flush_failed{",

@@ -9,7 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::workload::{check_disk_promise, run_workload, Promise};
-use common::{have, python, read_all, run, Server};
+use common::{have, python, read_all, run, scrape_metrics, Server};
 
 /// A free TCP port on loopback for a node's fixed address. Taken below the kernel's
 /// ephemeral range (32768 and up), so that no client connection of a parallel test is
@@ -876,14 +876,7 @@ fn netblk(args: &[&str], config: &Path) -> std::process::Output {
 fn demoting_a_secondary_keeps_its_link() {
     let dir = tempfile::tempdir().unwrap();
     let config = loopback_pair(dir.path());
-    let primary = start_node(&config, "alpha", true);
-    let secondary = start_node(&config, "beta", false);
-    wait_for_log(
-        "secondary",
-        || secondary.stderr(),
-        "in sync with the primary",
-        1,
-    );
+    let (primary, secondary) = start_pair_in_sync(&config);
     let demote = netblk(&["demote", "--node", "beta"], &config);
     assert!(demote.status.success(), "{demote:?}");
     assert!(
@@ -936,14 +929,7 @@ fn a_promote_during_a_demotion_waits_for_it() {
     }
     let dir = tempfile::tempdir().unwrap();
     let config = loopback_pair(dir.path());
-    let primary = start_node(&config, "alpha", true);
-    let secondary = start_node(&config, "beta", false);
-    wait_for_log(
-        "secondary",
-        || secondary.stderr(),
-        "in sync with the primary",
-        1,
-    );
+    let (primary, secondary) = start_pair_in_sync(&config);
     // A stopped peer, so that the demotion's flush waits for it (a peer timeout, 1 s).
     let out = qemu_io(&primary.uri(), &["write -P 3 0 1M"]);
     assert!(out.status.success(), "{out:?}");
@@ -1446,16 +1432,7 @@ fn metrics_answer_during_the_primary_wait() {
         "waiting up to 20s for the peers",
         1,
     );
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(&metrics).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(5)))
-        .unwrap();
-    stream.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
-    let mut scraped = String::new();
-    stream
-        .read_to_string(&mut scraped)
-        .expect("a scrape during the --primary wait");
+    let scraped = scrape_metrics(&metrics);
     let line = "netblk_replication_primary{resource=\"r0\",node=\"alpha\"} 0\n";
     assert!(scraped.contains(line), "{line:?} not in:\n{scraped}");
     assert!(primary.stop().success());
@@ -1480,14 +1457,7 @@ fn a_nodes_metrics_show_its_role_and_peers() {
         "in sync with the primary",
         1,
     );
-    let scrape = || {
-        use std::io::{Read, Write};
-        let mut stream = std::net::TcpStream::connect(&metrics).unwrap();
-        stream.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
-        let mut text = String::new();
-        stream.read_to_string(&mut text).unwrap();
-        text
-    };
+    let scrape = || scrape_metrics(&metrics);
     let out = qemu_io(&primary.uri(), &["write -P 0xab 0 1M", "flush"]);
     assert!(out.status.success(), "{out:?}");
     let text = scrape();

@@ -233,3 +233,19 @@ pub fn read_all(path: &Path) -> Vec<u8> {
         .expect("read");
     data
 }
+
+/// What a `--metrics` endpoint at `addr` answers `GET /metrics` with, its HTTP head
+/// included; panics if the answer does not come within 5 s.
+pub fn scrape_metrics(addr: &str) -> String {
+    use std::io::Write;
+    let mut stream = std::net::TcpStream::connect(addr).expect("connect to the metrics");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    stream.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut text = String::new();
+    stream
+        .read_to_string(&mut text)
+        .expect("the metrics within 5 s");
+    text
+}

@@ -1438,6 +1438,39 @@ fn metrics_answer_during_the_primary_wait() {
     assert!(primary.stop().success());
 }
 
+/// An operator's `promote` that is refused during a `--primary` start's wait for its
+/// peers leaves the wait to go on: once the peer says hello, the node takes the role. The
+/// refused promote had cancelled the wait's promotion, and the node stayed secondary.
+#[test]
+fn a_refused_promote_leaves_the_primary_wait_to_go_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair(dir.path());
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(
+        &config,
+        text.replace("peer_timeout = \"1s\"", "peer_timeout = \"20s\""),
+    )
+    .unwrap();
+    // Not new nodes, which are promoted alone.
+    let (primary, secondary) = start_pair_in_sync(&config);
+    assert!(primary.stop().success());
+    assert!(secondary.stop().success());
+    let primary = start_node(&config, "alpha", true);
+    wait_for_log(
+        "alpha",
+        || primary.stderr(),
+        "waiting up to 20s for the peers",
+        1,
+    );
+    let promote = netblk(&["promote", "--node", "alpha"], &config);
+    assert!(!promote.status.success(), "{promote:?}");
+    let secondary = start_node(&config, "beta", false);
+    wait_for_log("alpha", || primary.stderr(), "promoted to primary", 1);
+    assert_eq!(status_json(&config, "alpha")["status"]["role"], "primary");
+    assert!(primary.stop().success());
+    assert!(secondary.stop().success());
+}
+
 /// A node's `--metrics` shows its role, disk state and peers beside its export's
 /// requests: the primary's peer connected and replicating with nothing out of sync, then,
 /// the secondary stopped, disconnected with what it misses counted.

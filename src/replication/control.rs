@@ -328,8 +328,10 @@ async fn answer(shared: &Shared, request: &str) -> Reply {
         ["promote"] | ["promote", "--force"] => {
             let force = words.len() == 2;
             let _role = shared.role_change.lock().await;
-            shared.note_role_command();
             let result = shared.promote(force).map(|promoted| {
+                // Only a promote that was not refused chose the role: a refused one left
+                // a `--primary` start's wait to go on (it cancelled the wait's promotion).
+                shared.note_role_command();
                 if promoted {
                     shared.announce_primary_and_reconnect();
                     "promoted to primary".to_string()

@@ -64,11 +64,14 @@ mod flag {
 /// A metadata failure, with the file it concerns.
 #[derive(Debug, thiserror::Error)]
 pub enum MetaError {
-    #[error("metadata {path}: {op}: {source}")]
+    /// The cause is in the message and is not the error's `source`: `netblk` prints the
+    /// chain of sources, and the cause came out twice ("…: Permission denied: Permission
+    /// denied"), while status lines that show the message alone need it there.
+    #[error("metadata {path}: {op}: {cause}")]
     Io {
         path: PathBuf,
         op: &'static str,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     #[error(
         "metadata {path}: no valid superblock (not netblk metadata, or both copies are damaged)"
@@ -90,11 +93,11 @@ pub enum MetaError {
     /// An earlier write or sync of this file failed, so what it holds on disk is not known
     /// (a failed sync may have lost records, and the kernel reports that only once): the
     /// metadata takes no more changes until the node restarts and reads it again.
-    #[error("metadata {path}: stopped since {op} failed ({source}); restart the node")]
+    #[error("metadata {path}: stopped since {op} failed ({cause}); restart the node")]
     Stopped {
         path: PathBuf,
         op: &'static str,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// Another process (or handle) holds the file: two nodes writing one metadata file
     /// would each overwrite the other's records.
@@ -218,7 +221,7 @@ fn lock_exclusively(file: &File, path: &Path) -> Result<(), MetaError> {
         Err(e) => Err(MetaError::Io {
             path: path.to_path_buf(),
             op: "locking",
-            source: e.into(),
+            cause: e.into(),
         }),
     }
 }
@@ -240,8 +243,8 @@ impl Metadata {
                 // Another start created it meanwhile (naming it failed: it exists): open
                 // it (it is locked while that node runs).
                 Err(MetaError::Io {
-                    op: NAMING, source, ..
-                }) if source.kind() == std::io::ErrorKind::AlreadyExists => Metadata::open(path)?,
+                    op: NAMING, cause, ..
+                }) if cause.kind() == std::io::ErrorKind::AlreadyExists => Metadata::open(path)?,
                 created => created?,
             }
         };
@@ -573,7 +576,7 @@ impl Metadata {
             Some((op, errno)) => Err(MetaError::Stopped {
                 path: self.path.clone(),
                 op,
-                source: std::io::Error::from_raw_os_error(errno),
+                cause: std::io::Error::from_raw_os_error(errno),
             }),
         }
     }
@@ -955,7 +958,7 @@ fn bitmap_bytes(regions: u64) -> u64 {
 /// Wraps an I/O error with the metadata path and what was being done.
 fn io_err(path: &Path, op: &'static str) -> impl FnOnce(std::io::Error) -> MetaError {
     let path = path.to_path_buf();
-    move |source| MetaError::Io { path, op, source }
+    move |cause| MetaError::Io { path, op, cause }
 }
 
 /// Reads one record; `false` if the file is too short to hold it.
@@ -1291,8 +1294,8 @@ mod tests {
         assert_eq!(names(&dir), vec![path.file_name().unwrap().to_owned()]);
         let before = std::fs::read(&path).unwrap();
         match Metadata::create(&path, "alpha", "r0", &peers(), SIZE) {
-            Err(MetaError::Io { source, .. })
-                if source.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(MetaError::Io { cause, .. })
+                if cause.kind() == std::io::ErrorKind::AlreadyExists => {}
             Err(e) => panic!("refused for another reason: {e}"),
             Ok(_) => panic!("created over existing metadata"),
         }
@@ -1340,8 +1343,8 @@ mod tests {
         std::fs::write(&to, b"old").unwrap();
         match name_by_link(&from, &to) {
             Err(MetaError::Io {
-                op: NAMING, source, ..
-            }) if source.kind() == std::io::ErrorKind::AlreadyExists => {}
+                op: NAMING, cause, ..
+            }) if cause.kind() == std::io::ErrorKind::AlreadyExists => {}
             other => panic!("{other:?}"),
         }
         assert_eq!(std::fs::read(&to).unwrap(), b"old");
@@ -1390,9 +1393,9 @@ mod tests {
             "{first}"
         );
         let stopped = |result: Result<(), MetaError>| match result {
-            Err(MetaError::Stopped { op, source, .. }) => {
+            Err(MetaError::Stopped { op, cause, .. }) => {
                 assert_eq!(op, "writing the activity log");
-                assert_eq!(source.raw_os_error(), Some(libc::EBADF));
+                assert_eq!(cause.raw_os_error(), Some(libc::EBADF));
             }
             other => panic!("{other:?}"),
         };

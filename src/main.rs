@@ -609,7 +609,20 @@ fn control_path(target: &ControlTarget) -> anyhow::Result<std::path::PathBuf> {
             // path (one refused at its start) sent `promote --node beta` to alpha, which
             // took it (re-review, session 69).
             let reply = netblk::control::request(&path, "status")?;
-            if let Some(status) = reply.status {
+            // No status (busy, or a plain server): which node answers is not known, so
+            // nothing is sent to it (re-review: a busy first answer waved a promote on).
+            let Some(status) = reply.status else {
+                bail!(
+                    "cannot check which node {} answers for: {}",
+                    path.display(),
+                    if reply.ok {
+                        "not a replicated node"
+                    } else {
+                        &reply.message
+                    }
+                );
+            };
+            {
                 if status.node != *node || status.resource != resource.name {
                     bail!(
                         "{} answers for node {} of resource {}, not node {node} of {}: \

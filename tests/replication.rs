@@ -779,12 +779,7 @@ fn nodes_that_both_wrote_alone_are_a_split_brain_never_merged() {
     // refused (until session 69 it took the role after the wait and served stale data;
     // review). Only force makes it primary.
     let beta = start_node(&config, "beta", true);
-    wait_for_log(
-        "beta",
-        || beta.stderr(),
-        "has not been in touch with every peer",
-        1,
-    );
+    wait_for_log("beta", || beta.stderr(), "not every peer is connected", 1);
     assert_eq!(status_json(&config, "beta")["status"]["role"], "secondary");
     let promote = netblk(&["promote", "--node", "beta"], &config);
     assert!(!promote.status.success(), "{promote:?}");

@@ -377,9 +377,10 @@ impl Shared {
         if !force && !fresh && !every_peer_connected && !self.data_confirmed.load(Ordering::Acquire)
         {
             return Err(
-                "this node has not been in touch with every peer since it started: one \
-                 may hold writes it acknowledged after this node went down; start the \
-                 peers, or use --force if none has newer data"
+                "not every peer is connected, and no primary has brought this node up to \
+                 date since it started: a peer may hold writes it acknowledged after this \
+                 node went down; start the peers and promote, or use --force if none has \
+                 newer data"
                     .into(),
             );
         }

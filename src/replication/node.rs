@@ -292,7 +292,10 @@ async fn take_primary_role(shared: &Shared) {
             info!("--primary: an operator's promote or demote came first; it decides the role");
         }
         Ok(false) => {}
-        Err(e) => tracing::error!("--primary refused: {e}; this node stays secondary"),
+        Err(e) => tracing::error!(
+            "--primary refused: {e}; this node stays secondary (`netblk promote` takes the \
+             role later)"
+        ),
     }
 }
 

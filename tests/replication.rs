@@ -940,7 +940,13 @@ fn a_promote_during_a_demotion_waits_for_it() {
         })
     };
     let demote = command("demote");
-    std::thread::sleep(Duration::from_millis(100));
+    // Once the demotion has let go of the role (it then waits on the stopped peer): a
+    // fixed pause let the promote arrive first on a loaded machine.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while status_json(&config, "alpha")["status"]["role"] != "secondary" {
+        assert!(Instant::now() < deadline, "the demotion never began");
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let promote = command("promote");
     let (demoted, demoted_at) = demote.join().unwrap();
     let (promoted, promoted_at) = promote.join().unwrap();

@@ -75,6 +75,13 @@ fn loopback_pair_sized(dir: &Path, size: &str) -> PathBuf {
     resource_file_sized(dir, "r0", &nodes, size)
 }
 
+/// Rewrites the resource file at `config`: `from` replaced by `to`, once.
+fn edit_resource(config: &Path, from: &str, to: &str) {
+    let text = std::fs::read_to_string(config).unwrap();
+    assert!(text.contains(from), "{from:?} not in the resource file");
+    std::fs::write(config, text.replacen(from, to, 1)).unwrap();
+}
+
 fn start_node(config: &Path, node: &str, primary: bool) -> Server {
     start_node_with(config, node, primary, &[])
 }
@@ -252,12 +259,7 @@ fn a_resync_target_shows_its_pass() {
     }
     let dir = tempfile::tempdir().unwrap();
     let config = loopback_pair(dir.path());
-    let text = std::fs::read_to_string(&config).unwrap();
-    std::fs::write(
-        &config,
-        text.replace("resync_rate = \"1G\"", "resync_rate = \"6M\""),
-    )
-    .unwrap();
+    edit_resource(&config, "resync_rate = \"1G\"", "resync_rate = \"6M\"");
     let (primary, secondary) = start_pair_in_sync(&config);
     assert!(secondary.stop().success());
     let out = qemu_io(&primary.uri(), &["write -P 0x3c 0 16M"]);
@@ -893,10 +895,9 @@ fn demoting_a_secondary_keeps_its_link() {
 fn a_command_for_one_node_never_reaches_another() {
     let dir = tempfile::tempdir().unwrap();
     let config = loopback_pair(dir.path());
-    let text = std::fs::read_to_string(&config).unwrap();
     let beta_meta = format!("{}/beta.meta", dir.path().display());
     let alpha_meta = format!("{}/alpha.meta", dir.path().display());
-    std::fs::write(&config, text.replace(&beta_meta, &alpha_meta)).unwrap();
+    edit_resource(&config, &beta_meta, &alpha_meta);
     let alpha = start_node(&config, "alpha", false);
     let beta = Command::new(env!("CARGO_BIN_EXE_netblk"))
         .args(["serve", "--config"])
@@ -939,6 +940,7 @@ fn a_promote_during_a_demotion_waits_for_it() {
             (out, std::time::Instant::now())
         })
     };
+    let sent = Instant::now();
     let demote = command("demote");
     // Once the demotion has let go of the role (it then waits on the stopped peer): a
     // fixed pause let the promote arrive first on a loaded machine.
@@ -952,8 +954,17 @@ fn a_promote_during_a_demotion_waits_for_it() {
     let (promoted, promoted_at) = promote.join().unwrap();
     assert!(demoted.status.success(), "{demoted:?}");
     assert!(promoted.status.success(), "{promoted:?}");
+    // The promote waited for the demotion, which waits a peer timeout (1 s) for the
+    // stopped peer; run inside it, the promote answered at once, and its reconnect cut
+    // the demotion's wait short (both answered about 100 ms after the demote was sent).
+    // The two answers leave the node a few milliseconds apart, in either order.
     assert!(
-        demoted_at < promoted_at,
+        promoted_at - sent >= Duration::from_millis(800),
+        "the promote answered {:?} after the demote was sent",
+        promoted_at - sent
+    );
+    assert!(
+        promoted_at + Duration::from_millis(200) > demoted_at,
         "the promote answered {:?} before the demote did",
         demoted_at - promoted_at
     );
@@ -974,12 +985,7 @@ fn a_demotion_during_a_slow_resync_returns_at_once() {
     }
     let dir = tempfile::tempdir().unwrap();
     let config = loopback_pair_sized(dir.path(), "64M");
-    let text = std::fs::read_to_string(&config).unwrap();
-    std::fs::write(
-        &config,
-        text.replace("resync_rate = \"1G\"", "resync_rate = \"2M\""),
-    )
-    .unwrap();
+    edit_resource(&config, "resync_rate = \"1G\"", "resync_rate = \"2M\"");
     let (primary, secondary) = start_pair_in_sync(&config);
     secondary.signal("KILL");
     drop(secondary);
@@ -1419,12 +1425,7 @@ fn a_slow_link_is_not_taken_for_a_dead_peer() {
 fn metrics_answer_during_the_primary_wait() {
     let dir = tempfile::tempdir().unwrap();
     let config = loopback_pair(dir.path());
-    let text = std::fs::read_to_string(&config).unwrap();
-    std::fs::write(
-        &config,
-        text.replace("peer_timeout = \"1s\"", "peer_timeout = \"20s\""),
-    )
-    .unwrap();
+    edit_resource(&config, "peer_timeout = \"1s\"", "peer_timeout = \"20s\"");
     let metrics = format!("127.0.0.1:{}", free_port());
     let primary = start_node_with(&config, "alpha", true, &["--metrics", &metrics]);
     wait_for_log(
@@ -1446,12 +1447,7 @@ fn metrics_answer_during_the_primary_wait() {
 fn a_refused_promote_leaves_the_primary_wait_to_go_on() {
     let dir = tempfile::tempdir().unwrap();
     let config = loopback_pair(dir.path());
-    let text = std::fs::read_to_string(&config).unwrap();
-    std::fs::write(
-        &config,
-        text.replace("peer_timeout = \"1s\"", "peer_timeout = \"20s\""),
-    )
-    .unwrap();
+    edit_resource(&config, "peer_timeout = \"1s\"", "peer_timeout = \"20s\"");
     // Not new nodes, which are promoted alone.
     let (primary, secondary) = start_pair_in_sync(&config);
     assert!(primary.stop().success());

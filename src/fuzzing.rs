@@ -150,6 +150,7 @@ fn fuzz_node() -> &'static Arc<crate::replication::layer::Shared> {
             "f",
             &["alpha".to_string()],
             size,
+            true,
         )
         .expect("metadata");
         let local = Arc::new(MemoryBackend::new(size, false));

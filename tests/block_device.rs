@@ -818,8 +818,15 @@ fn a_node_whose_final_flush_fails_leaves_its_extents_for_resync() {
         let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         probe.local_addr().unwrap().to_string()
     };
-    primary.extend(["--primary".into(), "--metrics".into(), metrics.clone()]);
+    primary.extend(["--metrics".into(), metrics.clone()]);
     let mut node = Server::start_expecting(&primary, 1);
+    // Alone on a disk that was there before its metadata, the first promotion takes force.
+    let promoted = Command::new(env!("CARGO_BIN_EXE_netblk"))
+        .args(["promote", "--force"])
+        .args(&args[..4])
+        .output()
+        .unwrap();
+    assert!(promoted.status.success(), "{promoted:?}");
     let uri = node.uri();
     assert_eq!(
         python(WRITEBACK_FAILS, &[&uri, "flush"]),

@@ -1041,6 +1041,99 @@ fn promotion_is_refused_to_the_node_with_older_data() {
     assert_same_files(&dir.path().join("alpha.img"), &dir.path().join("beta.img"));
 }
 
+/// A node whose backing lost its data at a restart (memory, here; a backing file deleted
+/// and created anew is the same case) is resynced in full, not taken for in sync. Its
+/// metadata still named the primary's generation, so the two matched and it served zeroes
+/// as up to date: after a switchover, acknowledged writes were gone (review, session 70).
+/// Alone, it takes the primary role only by force.
+#[test]
+fn a_node_that_lost_its_data_at_a_restart_is_resynced_in_full() {
+    if !have("qemu-io") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair_sized(dir.path(), "2G");
+    edit_resource(
+        &config,
+        &format!("backing = \"{}/beta.img\"", dir.path().display()),
+        "backing = \"memory:2G\"",
+    );
+    let (alpha, beta) = start_pair_in_sync(&config);
+    // 1 MiB at 0, then one write in each of 300 other 4 MiB extents: the first extent
+    // leaves the activity log, so no crash recovery marks it either.
+    let mut commands = vec!["write -P 7 0 1M".to_string(), "flush".to_string()];
+    commands.extend((1..=300).map(|i| format!("write -P 1 {}M 4k", i * 4)));
+    commands.push("flush".into());
+    let commands: Vec<&str> = commands.iter().map(String::as_str).collect();
+    let out = qemu_io(&alpha.uri(), &commands);
+    assert!(out.status.success(), "{out:?}");
+    assert!(beta.stop().success());
+    let beta = start_node(&config, "beta", false);
+    wait_for_log("beta", || beta.stderr(), "in sync with the primary", 1);
+    for (offset, pattern) in [("0", 7), ("1200M", 1)] {
+        // A secondary exports read-only.
+        let out = Command::new("qemu-io")
+            .args(["-r", "-f", "raw", "-c"])
+            .arg(format!("read -P {pattern} {offset} 4k"))
+            .arg(beta.uri())
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && !said.contains("verification failed"),
+            "beta at {offset}: {out:?}"
+        );
+    }
+    assert!(
+        beta.stderr().contains("the backing is new (empty)"),
+        "{}",
+        beta.stderr()
+    );
+    assert!(alpha.stop().success());
+    assert!(beta.stop().success());
+    let beta = start_node(&config, "beta", false);
+    let refused = netblk(&["promote", "--node", "beta"], &config);
+    let why = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && why.contains("no data generation yet"),
+        "{refused:?}"
+    );
+    let forced = netblk(&["promote", "--node", "beta", "--force"], &config);
+    assert!(forced.status.success(), "{forced:?}");
+    assert!(beta.stop().success());
+}
+
+/// A node takes the first primary role alone only over a backing that started empty with
+/// its metadata. New metadata over a backing that held data says nothing of how old that
+/// data is: recreated metadata let a lone node serve stale data as primary (review,
+/// session 69).
+#[test]
+fn a_node_with_recreated_metadata_is_not_promoted_alone() {
+    if !have("qemu-io") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair(dir.path());
+    let alpha = start_node(&config, "alpha", true);
+    wait_for_log("alpha", || alpha.stderr(), "promoted to primary", 1);
+    let out = qemu_io(&alpha.uri(), &["write -P 5 0 64k", "flush"]);
+    assert!(out.status.success(), "{out:?}");
+    assert!(alpha.stop().success());
+    std::fs::remove_file(dir.path().join("alpha.meta")).unwrap();
+    let alpha = start_node(&config, "alpha", true);
+    wait_for_log("alpha", || alpha.stderr(), "--primary refused", 1);
+    assert!(
+        alpha.stderr().contains("no data generation yet"),
+        "{}",
+        alpha.stderr()
+    );
+    let refused = netblk(&["promote", "--node", "alpha"], &config);
+    assert!(!refused.status.success(), "{refused:?}");
+    let forced = netblk(&["promote", "--node", "alpha", "--force"], &config);
+    assert!(forced.status.success(), "{forced:?}");
+    assert!(alpha.stop().success());
+}
+
 /// `--primary` beside a live primary is refused (review, session 66): alpha, killed, comes
 /// back with `--primary` while beta, promoted in its absence, serves and has written. Alpha
 /// used to take the role before any hello, accept a client's write and so start a split

@@ -374,6 +374,19 @@ impl Shared {
                 .unwrap_or_else(|e| e.into_inner())
                 .is_some()
         });
+        // New metadata over a backing that already held data (recreated metadata, an
+        // old disk) says nothing about how old that data is; only a node created blank
+        // takes the first primary role without its peers (review, session 69: recreated
+        // metadata let a lone node serve stale data as the first primary).
+        if !force && fresh && !sb.created_blank && !every_peer_connected {
+            return Err(
+                "this node has no data generation yet, and its backing did not start \
+                 empty with its metadata (recreated metadata, a disk that held data, or data \
+                 lost at a restart): what it holds may be older than a peer's; start the \
+                 peers and promote, or use --force if none has newer data"
+                    .into(),
+            );
+        }
         if !force && !fresh && !every_peer_connected && !self.data_confirmed.load(Ordering::Acquire)
         {
             return Err(

@@ -58,6 +58,8 @@ mod flag {
     pub const PRIMARY: u32 = 1 << 0;
     /// The node shut down cleanly: the activity log needs no recovery.
     pub const CLEAN: u32 = 1 << 1;
+    /// See [`super::Superblock::created_blank`].
+    pub const CREATED_BLANK: u32 = 1 << 2;
     pub const DISK_SHIFT: u32 = 8;
 }
 
@@ -123,6 +125,12 @@ pub struct Superblock {
     pub primary: bool,
     pub disk: DiskState,
     pub clean: bool,
+    /// The metadata was created together with a blank backing (a memory backing, or a
+    /// file the same start created). Only read at the just-created generation: such a node
+    /// holds nothing a peer lacks and may take the first primary role alone, where fresh
+    /// metadata over a backing that already held data (recreated metadata, say) may hide
+    /// data older than a peer's.
+    pub created_blank: bool,
 }
 
 /// The open metadata of one node. Its methods do blocking file I/O.
@@ -227,19 +235,21 @@ fn lock_exclusively(file: &File, path: &Path) -> Result<(), MetaError> {
 }
 
 impl Metadata {
-    /// Opens the metadata at `path`, creating it for a fresh node if there is none. An
-    /// existing file must name the same node, resource, peers and size.
+    /// Opens the metadata at `path`, creating it for a fresh node if there is none
+    /// (`blank_backing`: the backing holds no data yet, see [`Superblock::created_blank`]).
+    /// An existing file must name the same node, resource, peers and size.
     pub fn open_or_create(
         path: &Path,
         node: &str,
         resource: &str,
         peers: &[String],
         size: u64,
+        blank_backing: bool,
     ) -> Result<Metadata, MetaError> {
         let metadata = if path.exists() {
             Metadata::open(path)?
         } else {
-            match Metadata::create(path, node, resource, peers, size) {
+            match Metadata::create(path, node, resource, peers, size, blank_backing) {
                 // Another start created it meanwhile (naming it failed: it exists): open
                 // it (it is locked while that node runs).
                 Err(MetaError::Io {
@@ -287,6 +297,7 @@ impl Metadata {
         resource: &str,
         peers: &[String],
         size: u64,
+        blank_backing: bool,
     ) -> Result<Metadata, MetaError> {
         let mut temporary = path.as_os_str().to_owned();
         temporary.push(format!(".creating.{}", std::process::id()));
@@ -298,8 +309,9 @@ impl Metadata {
         // session 67). Unlinking never touches the real file, even when a crash between
         // `link` and `unlink` below left the two linked.
         remove_unlocked_leftover(&temporary, path)?;
-        let created = Metadata::create_at(&temporary, path, node, resource, peers, size)
-            .and_then(|metadata| name_without_replacing(&temporary, path).map(|()| metadata));
+        let created =
+            Metadata::create_at(&temporary, path, node, resource, peers, size, blank_backing)
+                .and_then(|metadata| name_without_replacing(&temporary, path).map(|()| metadata));
         let metadata = match created {
             Ok(metadata) => metadata,
             Err(e) => {
@@ -327,6 +339,7 @@ impl Metadata {
         resource: &str,
         peers: &[String],
         size: u64,
+        blank_backing: bool,
     ) -> Result<Metadata, MetaError> {
         let file = OpenOptions::new()
             .read(true)
@@ -351,6 +364,7 @@ impl Metadata {
                 primary: false,
                 disk: DiskState::Outdated,
                 clean: true,
+                created_blank: blank_backing,
             },
             superblock_seq: 0,
             al_extents: Vec::new(),
@@ -800,6 +814,25 @@ impl Metadata {
         }
     }
 
+    /// Records that the backing lost every byte this metadata describes (a memory
+    /// backing after a restart, or a backing file created anew under old metadata): the
+    /// node becomes a just-created one, not primary, whose data may be older than a peer's.
+    /// A peer with data then resyncs it in full, and it is promoted alone only by force.
+    /// Kept as it was, the old generation would have matched the peers' and the node
+    /// would have served zeroes as up to date (review, session 70). The superblock goes
+    /// to disk before the cleared bits, so a crash between the two leaves a just-created
+    /// node with bits set, which a full resync covers anyway.
+    pub fn forget_data(&mut self) -> Result<(), MetaError> {
+        self.update(|sb| {
+            sb.generations = Generations::just_created();
+            sb.primary = false;
+            sb.disk = DiskState::Outdated;
+            sb.created_blank = false;
+        })?;
+        self.mark_all_in_sync();
+        self.flush_bitmap()
+    }
+
     /// Marks one region in sync with `peer`.
     pub fn mark_in_sync(&mut self, peer: usize, region: u64) {
         self.set_bit(peer, region, false);
@@ -1005,6 +1038,9 @@ fn encode_superblock(seq: u64, sb: &Superblock) -> Vec<u8> {
     if sb.clean {
         flags |= flag::CLEAN;
     }
+    if sb.created_blank {
+        flags |= flag::CREATED_BLANK;
+    }
     body.extend_from_slice(&flags.to_be_bytes());
     for g in [
         sb.generations.current,
@@ -1077,6 +1113,7 @@ fn decode_superblock(record: &[u8]) -> Option<(u64, Superblock)> {
             primary: flags & flag::PRIMARY != 0,
             disk,
             clean: flags & flag::CLEAN != 0,
+            created_blank: flags & flag::CREATED_BLANK != 0,
         },
     ))
 }
@@ -1138,7 +1175,7 @@ mod tests {
                 peers in proptest::collection::vec(name(), 1..=2),
                 size in any::<u64>(),
                 gens in any::<[u64; 4]>(),
-                (primary, clean) in any::<(bool, bool)>(),
+                (primary, clean, created_blank) in any::<(bool, bool, bool)>(),
                 disk in disk(),
                 flip in any::<(usize, u8)>(),
             ) {
@@ -1147,7 +1184,7 @@ mod tests {
                     generations: Generations {
                         current: gens[0], bitmap: gens[1], history: [gens[2], gens[3]],
                     },
-                    primary, disk, clean,
+                    primary, disk, clean, created_blank,
                 };
                 let record = encode_superblock(seq, &sb);
                 prop_assert!(record.len() as u64 <= RECORD_SIZE);
@@ -1186,8 +1223,38 @@ mod tests {
 
     fn fresh(dir: &tempfile::TempDir) -> (PathBuf, Metadata) {
         let path = dir.path().join("node.meta");
-        let metadata = Metadata::open_or_create(&path, "alpha", "r0", &peers(), SIZE).unwrap();
+        let metadata =
+            Metadata::open_or_create(&path, "alpha", "r0", &peers(), SIZE, true).unwrap();
         (path, metadata)
+    }
+
+    #[test]
+    fn whether_the_backing_started_blank_is_kept_and_forgetting_data_resets_the_node() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("node.meta");
+        let metadata = Metadata::open_or_create(&path, "alpha", "r0", &peers(), SIZE, false);
+        assert!(!metadata.unwrap().superblock().created_blank);
+        std::fs::remove_file(&path).unwrap();
+        let (path, mut metadata) = fresh(&dir);
+        assert!(metadata.superblock().created_blank);
+        metadata
+            .update(|sb| {
+                sb.generations.current = 0x1234;
+                sb.primary = true;
+                sb.disk = DiskState::UpToDate;
+            })
+            .unwrap();
+        metadata.mark_out_of_sync(1, 0, 1 << 20);
+        metadata.flush_bitmap().unwrap();
+        metadata.forget_data().unwrap();
+        drop(metadata);
+        // What `forget_data` recorded is what the next start reads.
+        let metadata = Metadata::open(&path).unwrap();
+        let sb = metadata.superblock();
+        assert_eq!(sb.generations, Generations::just_created());
+        assert!(!sb.primary && !sb.created_blank);
+        assert_eq!(sb.disk, DiskState::Outdated);
+        assert_eq!(metadata.out_of_sync_bytes(1), 0);
     }
 
     #[test]
@@ -1209,7 +1276,8 @@ mod tests {
         metadata.mark_out_of_sync(0, REGION_SIZE * 3 + 1, 10);
         metadata.set_clean(true).unwrap();
         drop(metadata);
-        let metadata = Metadata::open_or_create(&path, "alpha", "r0", &peers(), SIZE).unwrap();
+        let metadata =
+            Metadata::open_or_create(&path, "alpha", "r0", &peers(), SIZE, true).unwrap();
         let sb = metadata.superblock();
         assert_eq!(sb.generations.current, 99);
         assert!(sb.primary && sb.clean);
@@ -1259,7 +1327,8 @@ mod tests {
                 );
                 metadata.flush_bitmap().unwrap();
                 drop(metadata);
-                let again = Metadata::open_or_create(&path, "alpha", "r0", &peers(), SIZE).unwrap();
+                let again =
+                    Metadata::open_or_create(&path, "alpha", "r0", &peers(), SIZE, true).unwrap();
                 for peer in 0..2 {
                     proptest::prop_assert_eq!(
                         again.out_of_sync_regions(peer),
@@ -1293,7 +1362,7 @@ mod tests {
         };
         assert_eq!(names(&dir), vec![path.file_name().unwrap().to_owned()]);
         let before = std::fs::read(&path).unwrap();
-        match Metadata::create(&path, "alpha", "r0", &peers(), SIZE) {
+        match Metadata::create(&path, "alpha", "r0", &peers(), SIZE, true) {
             Err(MetaError::Io { cause, .. })
                 if cause.kind() == std::io::ErrorKind::AlreadyExists => {}
             Err(e) => panic!("refused for another reason: {e}"),
@@ -1323,12 +1392,13 @@ mod tests {
         let writing = std::fs::File::open(&leftover).unwrap();
         lock_exclusively(&writing, &path).unwrap();
         assert!(matches!(
-            Metadata::open_or_create(&path, "alpha", "r0", &peers(), SIZE),
+            Metadata::open_or_create(&path, "alpha", "r0", &peers(), SIZE, true),
             Err(MetaError::InUse { .. })
         ));
         assert!(leftover.exists() && !path.exists());
         drop(writing);
-        let metadata = Metadata::open_or_create(&path, "alpha", "r0", &peers(), SIZE).unwrap();
+        let metadata =
+            Metadata::open_or_create(&path, "alpha", "r0", &peers(), SIZE, true).unwrap();
         assert_eq!(metadata.superblock().node, "alpha");
         assert!(!leftover.exists());
     }
@@ -1361,14 +1431,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (path, metadata) = fresh(&dir);
         let before = std::fs::read(&path).unwrap();
-        match Metadata::open_or_create(&path, "alpha", "r0", &peers(), SIZE) {
+        match Metadata::open_or_create(&path, "alpha", "r0", &peers(), SIZE, true) {
             Err(MetaError::InUse { .. }) => {}
             Err(e) => panic!("refused for another reason: {e}"),
             Ok(_) => panic!("a second open of metadata in use succeeded"),
         }
         assert_eq!(std::fs::read(&path).unwrap(), before);
         drop(metadata);
-        Metadata::open_or_create(&path, "alpha", "r0", &peers(), SIZE).unwrap();
+        Metadata::open_or_create(&path, "alpha", "r0", &peers(), SIZE, true).unwrap();
     }
 
     /// After a write of the file fails (here: the file swapped for a read-only handle, so
@@ -1417,11 +1487,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (path, metadata) = fresh(&dir);
         drop(metadata);
-        let e = Metadata::open_or_create(&path, "beta", "r0", &peers(), SIZE).unwrap_err();
+        let e = Metadata::open_or_create(&path, "beta", "r0", &peers(), SIZE, true).unwrap_err();
         assert!(e.to_string().contains("\"alpha\""), "{e}");
-        let e = Metadata::open_or_create(&path, "alpha", "r1", &peers(), SIZE).unwrap_err();
+        let e = Metadata::open_or_create(&path, "alpha", "r1", &peers(), SIZE, true).unwrap_err();
         assert!(e.to_string().contains("resource"), "{e}");
-        let e = Metadata::open_or_create(&path, "alpha", "r0", &peers(), SIZE * 2).unwrap_err();
+        let e =
+            Metadata::open_or_create(&path, "alpha", "r0", &peers(), SIZE * 2, true).unwrap_err();
         assert!(matches!(e, MetaError::WrongSize { .. }), "{e}");
         std::fs::write(dir.path().join("junk"), vec![7u8; 100_000]).unwrap();
         let e = Metadata::open(&dir.path().join("junk")).unwrap_err();
@@ -1487,7 +1558,7 @@ mod tests {
         let path = dir.path().join("m");
         // 17 MiB: 272 regions, so the last bitmap word has 16 bits in use.
         let size = 17 << 20;
-        let metadata = Metadata::create(&path, "alpha", "r0", &peers(), size).unwrap();
+        let metadata = Metadata::create(&path, "alpha", "r0", &peers(), size, true).unwrap();
         let regions = metadata.regions();
         assert_eq!(regions % 64, 16);
         drop(metadata);
@@ -1700,7 +1771,8 @@ mod tests {
         assert_eq!(metadata.out_of_sync_bytes(0), EXTENT_SIZE);
         assert_eq!(metadata.out_of_sync_bytes(1), EXTENT_SIZE + REGION_SIZE);
         drop(metadata);
-        let e = Metadata::open_or_create(&path, "alpha", "r0", &["beta".into()], SIZE).unwrap_err();
+        let e = Metadata::open_or_create(&path, "alpha", "r0", &["beta".into()], SIZE, true)
+            .unwrap_err();
         assert!(e.to_string().contains("peers"), "{e}");
     }
 
@@ -1736,7 +1808,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("small.meta");
         let size = 3 * REGION_SIZE + 512;
-        let mut metadata = Metadata::create(&path, "a", "r", &peers(), size).unwrap();
+        let mut metadata = Metadata::create(&path, "a", "r", &peers(), size, true).unwrap();
         assert_eq!(metadata.regions(), 4);
         metadata.mark_all_out_of_sync(0);
         assert_eq!(metadata.out_of_sync_bytes(0), size);

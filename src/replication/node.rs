@@ -12,8 +12,9 @@ use tracing::{info, warn};
 
 use super::config::ResourceConfig;
 use super::control::run_control;
+use super::generation::JUST_CREATED;
 use super::layer::{ReplicatedBackend, Shared};
-use super::meta::Metadata;
+use super::meta::{MetaError, Metadata};
 use super::peer::run_replication;
 use crate::server::{serve, ClientOptions, Export, Listener, ServerConfig};
 use crate::tcp::TcpSettings;
@@ -230,6 +231,12 @@ async fn open_node(
     powercut: bool,
     tcp: TcpSettings,
 ) -> anyhow::Result<Arc<Shared>> {
+    // A memory backing starts empty; a file that is missing now is created empty below
+    // (`create_new`: nobody else's file).
+    let blank_backing = match &me.backing {
+        crate::backend::BackingSpec::Memory { .. } => true,
+        crate::backend::BackingSpec::Path(path) => !path.exists(),
+    };
     let backend = me
         .backing
         .open(resource.size, false, me.cache)
@@ -244,11 +251,24 @@ async fn open_node(
     let (path, node, resource_name) =
         (me.metadata.clone(), name.to_string(), resource.name.clone());
     let peers: Vec<String> = resource.peers_of(name).map(|n| n.name.clone()).collect();
-    let meta = tokio::task::spawn_blocking(move || {
-        Metadata::open_or_create(&path, &node, &resource_name, &peers, size)
+    let (meta, forgotten) = tokio::task::spawn_blocking(move || {
+        let mut meta =
+            Metadata::open_or_create(&path, &node, &resource_name, &peers, size, blank_backing)?;
+        let held_data = meta.superblock().generations.current != JUST_CREATED;
+        if blank_backing && held_data {
+            meta.forget_data()?;
+        }
+        Ok::<_, MetaError>((meta, blank_backing && held_data))
     })
     .await
     .context("metadata task")??;
+    if forgotten {
+        warn!(
+            "the backing is new (empty) but the metadata says this node held data: it now \
+             counts as a new node, resynced in full from a peer, and is promoted alone \
+             only with --force"
+        );
+    }
     if meta.recovered_extents() > 0 {
         warn!(
             "the last shutdown was not clean: {} hot extents marked out of sync",

@@ -200,7 +200,7 @@ async fn cluster_started(
     let open = |name: &str, local: Arc<dyn Backend>| {
         let path = dir.path().join(format!("{name}.meta"));
         let peers: Vec<String> = resource.peers_of(name).map(|n| n.name.clone()).collect();
-        let meta = Metadata::open_or_create(&path, name, "t", &peers, SIZE).unwrap();
+        let meta = Metadata::open_or_create(&path, name, "t", &peers, SIZE, true).unwrap();
         Shared::new(local, resource.clone(), name, meta, TcpSettings::default()).unwrap()
     };
     let primary = open("alpha", primary_local);

@@ -1561,6 +1561,97 @@ fn a_refused_promote_leaves_the_primary_wait_to_go_on() {
     assert!(secondary.stop().success());
 }
 
+/// A resync over a link slower than its configured rate keeps only what the link carries
+/// in about 100 ms in flight, so client writes during the pass are not queued behind
+/// seconds of resync data. 16 MiB to resync over 16 Mbit/s (8 s of link time) at a
+/// configured 1 GB/s: until session 70 the window was sized from that rate alone (8 MiB,
+/// 4 s of this link), and a client write waited behind all of it (review, session 68:
+/// 11.4 s at 10 Mbit/s; 4,098 ms here).
+#[test]
+fn a_resync_over_a_slow_link_keeps_client_writes_prompt() {
+    if !have("fio") || !have("tc") || !have("qemu-io") {
+        return;
+    }
+    let Some(ns) = Namespaces::create("w") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (primary, secondary) = pair_in_sync_in(&ns, dir.path());
+    secondary.stop();
+    let in_ns = |program: &str| {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &ns.names[0], program]);
+        cmd
+    };
+    let out = in_ns("qemu-io")
+        .args(["-f", "raw", "-c", "write -P 0x6b 0 16M"])
+        .arg("nbd://10.231.0.1:10809")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    run(in_ns("tc")
+        .args(["qdisc", "add", "dev", &ns.veths[0], "root"])
+        .args(["tbf", "rate", "16mbit", "burst", "32kbit", "latency", "2s"]));
+    let passes = primary.stderr().matches("bytes out of sync").count();
+    let ended = primary.stderr().matches("resync done").count();
+    let secondary = NsNode::start(
+        &ns.names[1],
+        &dir.path().join("r0.toml"),
+        "beta",
+        false,
+        dir.path().join("b2.log"),
+    );
+    wait_for_log(
+        "primary",
+        || primary.stderr(),
+        "bytes out of sync",
+        passes + 1,
+    );
+    let out = in_ns("fio")
+        .args(["--name=during-resync", "--ioengine=nbd"])
+        .args([
+            "--uri=nbd://10.231.0.1:10809",
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=1",
+            "--time_based",
+            "--runtime=3",
+            "--output-format=json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "fio failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let report: serde_json::Value =
+        serde_json::from_str(&stdout[stdout.find('{').expect("fio's JSON")..]).unwrap();
+    let max_ms = report["jobs"][0]["write"]["clat_ns"]["max"]
+        .as_f64()
+        .unwrap()
+        / 1e6;
+    eprintln!("4 KiB writes during a resync over 16 Mbit/s: slowest {max_ms:.0} ms");
+    assert!(
+        primary.stderr().matches("resync done").count() == ended,
+        "the resync ended before the writes did: the test measured nothing"
+    );
+    assert!(
+        max_ms < 1_000.0,
+        "a client write waited {max_ms:.0} ms behind the resync"
+    );
+    wait_for_log(
+        "secondary",
+        || secondary.stderr(),
+        "in sync with the primary",
+        1,
+    );
+    primary.stop();
+    secondary.stop();
+    assert_same_files(&dir.path().join("alpha.img"), &dir.path().join("beta.img"));
+}
+
 /// A node's `--metrics` shows its role, disk state and peers beside its export's
 /// requests: the primary's peer connected and replicating with nothing out of sync, then,
 /// the secondary stopped, disconnected with what it misses counted.

@@ -54,6 +54,7 @@ pub mod meta;
 pub mod node;
 pub mod outbox;
 pub mod peer;
+pub mod window;
 pub mod wire;
 
 #[cfg(test)]

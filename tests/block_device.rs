@@ -820,13 +820,7 @@ fn a_node_whose_final_flush_fails_leaves_its_extents_for_resync() {
     };
     primary.extend(["--metrics".into(), metrics.clone()]);
     let mut node = Server::start_expecting(&primary, 1);
-    // Alone on a disk that was there before its metadata, the first promotion takes force.
-    let promoted = Command::new(env!("CARGO_BIN_EXE_netblk"))
-        .args(["promote", "--force"])
-        .args(&args[..4])
-        .output()
-        .unwrap();
-    assert!(promoted.status.success(), "{promoted:?}");
+    force_first_primary(&args);
     let uri = node.uri();
     assert_eq!(
         python(WRITEBACK_FAILS, &[&uri, "flush"]),
@@ -1008,6 +1002,17 @@ fn alpha_on_a_failing_device() -> (FailingDevice, tempfile::TempDir, Vec<String>
     (failing, dir, args)
 }
 
+/// Makes the new node that `args` (from [`alpha_of_two_nodes`]) started primary while its
+/// peer is away: the first primary without every node present takes force.
+fn force_first_primary(args: &[String]) {
+    let promoted = Command::new(env!("CARGO_BIN_EXE_netblk"))
+        .args(["promote", "--force"])
+        .args(&args[..4])
+        .output()
+        .unwrap();
+    assert!(promoted.status.success(), "{promoted:?}");
+}
+
 /// What `netblk status` (with `extra` arguments) prints for the node that `args` (from
 /// [`alpha_of_two_nodes`]) starts.
 fn node_status(args: &[String], extra: &[&str]) -> String {
@@ -1069,9 +1074,9 @@ fn a_node_whose_metadata_cannot_be_written_stops_writes_and_says_why() {
         "backing = \"memory:64M\"\nmetadata = \"{}/alpha.meta\"\n",
         meta_dir.display()
     );
-    let mut args = alpha_of_two_nodes(dir.path(), &alpha);
-    args.push("--primary".into());
+    let args = alpha_of_two_nodes(dir.path(), &alpha);
     let node = Server::start_expecting(&args, 1);
+    force_first_primary(&args);
     // Fill the file system: the next activity-log record falls in a hole of the
     // metadata file, which needs a page the tmpfs no longer has.
     let mut filler = std::fs::File::create(meta_dir.join("filler")).unwrap();

@@ -1091,7 +1091,16 @@ fn a_node_that_lost_its_data_at_a_restart_is_resynced_in_full() {
     );
     assert!(alpha.stop().success());
     assert!(beta.stop().success());
+    // Alone, its data gone again: it serves no reads from its disk, and is not promoted
+    // without force.
     let beta = start_node(&config, "beta", false);
+    let out = Command::new("qemu-io")
+        .args(["-r", "-f", "raw", "-c", "read 0 4k"])
+        .arg(beta.uri())
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+    assert!(said.contains("Input/output error"), "{out:?}");
     let refused = netblk(&["promote", "--node", "beta"], &config);
     let why = String::from_utf8_lossy(&refused.stderr);
     assert!(
@@ -1103,35 +1112,61 @@ fn a_node_that_lost_its_data_at_a_restart_is_resynced_in_full() {
     assert!(beta.stop().success());
 }
 
-/// A node takes the first primary role alone only over a backing that started empty with
-/// its metadata. New metadata over a backing that held data says nothing of how old that
-/// data is: recreated metadata let a lone node serve stale data as primary (review,
-/// session 69).
+/// The first primary is chosen with every node present, and never over a peer whose disk
+/// held data before its metadata was created. New metadata over such a disk says nothing
+/// of how old the data is: recreated metadata let a lone node serve stale data (review,
+/// session 69), and a node whose metadata was lost with its memory took the role alone
+/// and served zeroes (re-review, session 70).
 #[test]
-fn a_node_with_recreated_metadata_is_not_promoted_alone() {
+fn the_first_primary_is_chosen_with_every_node_and_not_over_old_data() {
     if !have("qemu-io") {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
     let config = loopback_pair(dir.path());
+    // Alone, a new node waits; only force makes it primary.
     let alpha = start_node(&config, "alpha", true);
-    wait_for_log("alpha", || alpha.stderr(), "promoted to primary", 1);
+    wait_for_log("alpha", || alpha.stderr(), "--primary: waiting", 1);
+    let refused = netblk(&["promote", "--node", "alpha"], &config);
+    let why = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && why.contains("not every peer is connected"),
+        "{refused:?}"
+    );
+    let forced = netblk(&["promote", "--node", "alpha", "--force"], &config);
+    assert!(forced.status.success(), "{forced:?}");
     let out = qemu_io(&alpha.uri(), &["write -P 5 0 64k", "flush"]);
     assert!(out.status.success(), "{out:?}");
     assert!(alpha.stop().success());
+    // Recreated metadata over alpha's data, beside a peer that never held any: alpha's
+    // data is the only data, and it becomes primary.
     std::fs::remove_file(dir.path().join("alpha.meta")).unwrap();
+    let (alpha, beta) = start_pair_in_sync(&config);
+    assert!(alpha.stop().success());
+    assert!(beta.stop().success());
+    assert_same_files(&dir.path().join("alpha.img"), &dir.path().join("beta.img"));
+    // Both recreated: neither may overwrite the other without force.
+    for node in ["alpha", "beta"] {
+        std::fs::remove_file(dir.path().join(format!("{node}.meta"))).unwrap();
+    }
     let alpha = start_node(&config, "alpha", true);
+    let beta = start_node(&config, "beta", false);
     wait_for_log("alpha", || alpha.stderr(), "--primary refused", 1);
     assert!(
-        alpha.stderr().contains("no data generation yet"),
+        alpha
+            .stderr()
+            .contains("peer beta has no data generation yet"),
         "{}",
         alpha.stderr()
     );
-    let refused = netblk(&["promote", "--node", "alpha"], &config);
-    assert!(!refused.status.success(), "{refused:?}");
-    let forced = netblk(&["promote", "--node", "alpha", "--force"], &config);
-    assert!(forced.status.success(), "{forced:?}");
+    let refused = netblk(&["promote", "--node", "beta"], &config);
+    let why = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && why.contains("peer alpha has no data generation yet"),
+        "{refused:?}"
+    );
     assert!(alpha.stop().success());
+    assert!(beta.stop().success());
 }
 
 /// `--primary` beside a live primary is refused (review, session 66): alpha, killed, comes
@@ -1182,7 +1217,7 @@ fn a_stop_while_primary_waits_for_its_peers_is_prompt_and_takes_no_role() {
         .replace("peer_timeout = \"1s\"", "peer_timeout = \"20s\"");
     std::fs::write(&config, text).unwrap();
     let mut alpha = start_node(&config, "alpha", true);
-    wait_for_log("alpha", || alpha.stderr(), "waiting up to", 1);
+    wait_for_log("alpha", || alpha.stderr(), "--primary: waiting", 1);
     let started = Instant::now();
     alpha.signal("TERM");
     let status = alpha
@@ -1212,7 +1247,7 @@ fn a_demote_during_the_primary_wait_keeps_the_node_secondary() {
         .replace("peer_timeout = \"1s\"", "peer_timeout = \"2s\"");
     std::fs::write(&config, text).unwrap();
     let alpha = start_node(&config, "alpha", true);
-    wait_for_log("alpha", || alpha.stderr(), "waiting up to", 1);
+    wait_for_log("alpha", || alpha.stderr(), "--primary: waiting", 1);
     let demote = netblk(&["demote", "--node", "alpha"], &config);
     assert!(demote.status.success(), "{demote:?}");
     wait_for_log("alpha", || alpha.stderr(), "it decides the role", 1);
@@ -1521,12 +1556,7 @@ fn metrics_answer_during_the_primary_wait() {
     edit_resource(&config, "peer_timeout = \"1s\"", "peer_timeout = \"20s\"");
     let metrics = format!("127.0.0.1:{}", free_port());
     let primary = start_node_with(&config, "alpha", true, &["--metrics", &metrics]);
-    wait_for_log(
-        "alpha",
-        || primary.stderr(),
-        "waiting up to 20s for the peers",
-        1,
-    );
+    wait_for_log("alpha", || primary.stderr(), "--primary: waiting", 1);
     let scraped = scrape_metrics(&metrics);
     let line = "netblk_replication_primary{resource=\"r0\",node=\"alpha\"} 0\n";
     assert!(scraped.contains(line), "{line:?} not in:\n{scraped}");
@@ -1541,7 +1571,7 @@ fn a_refused_promote_leaves_the_primary_wait_to_go_on() {
     let dir = tempfile::tempdir().unwrap();
     let config = loopback_pair(dir.path());
     edit_resource(&config, "peer_timeout = \"1s\"", "peer_timeout = \"20s\"");
-    // Not new nodes, which are promoted alone.
+    // Not new nodes, which wait for their peers with no timeout.
     let (primary, secondary) = start_pair_in_sync(&config);
     assert!(primary.stop().success());
     assert!(secondary.stop().success());

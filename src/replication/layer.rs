@@ -375,18 +375,36 @@ impl Shared {
                 .unwrap_or_else(|e| e.into_inner())
                 .is_some()
         });
-        // New metadata over a backing that already held data (recreated metadata, an
-        // old disk) says nothing about how old that data is; only a node created blank
-        // takes the first primary role without its peers (review, session 69: recreated
-        // metadata let a lone node serve stale data as the first primary).
-        if !force && fresh && !sb.created_blank && !every_peer_connected {
-            return Err(
-                "this node has no data generation yet, and its backing did not start \
-                 empty with its metadata (recreated metadata, a disk that held data, or data \
-                 lost at a restart): what it holds may be older than a peer's; start the \
-                 peers and promote, or use --force if none has newer data"
-                    .into(),
-            );
+        // The first primary (no data generation yet here) is chosen among all the nodes,
+        // and never over a disk that may hold data of unknown age: a node created blank
+        // alone said nothing of its peers' data (a memory node whose metadata was lost
+        // with it took the role and served zeroes; re-review, session 70), and new
+        // metadata over a disk that held data says nothing of how old that data is
+        // (recreated metadata let a lone node serve stale data; review, session 69). This
+        // node's own old data is the only data when every peer is connected and blank.
+        if !force && fresh {
+            if !every_peer_connected {
+                return Err(
+                    "this node has no data generation yet and not every peer is connected: \
+                     the first primary is chosen with every node present, since a peer may \
+                     hold the data; start the peers and promote, or use --force if none has \
+                     data to keep"
+                        .into(),
+                );
+            }
+            for slot in &self.peers {
+                let conn = slot.conn.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                let Some(conn) = conn else { continue };
+                if conn.peer_generations().current == JUST_CREATED && !conn.peer_created_blank {
+                    return Err(format!(
+                        "peer {} has no data generation yet and did not start blank (its \
+                         disk held data before its metadata, or it lost its data at a \
+                         restart): it may hold data this node lacks; promote the node whose \
+                         data is to be kept with --force",
+                        conn.peer
+                    ));
+                }
+            }
         }
         if !force && !fresh && !every_peer_connected && !self.data_confirmed.load(Ordering::Acquire)
         {
@@ -1482,6 +1500,14 @@ impl Shared {
         }
     }
 
+    /// Whether client reads may come from this node's disk: on a secondary, not while
+    /// the disk is inconsistent (overwritten region by region in a full resync, or its
+    /// data lost at a restart), where it served a mix of old bytes and zeroes as data
+    /// (re-review, session 70). A primary's reads are its own, forced or not.
+    pub fn serves_local_reads(&self) -> bool {
+        self.is_primary() || self.local_state().0 != DiskState::Inconsistent
+    }
+
     /// This node's disk state and generations, for hellos and status.
     pub fn local_state(&self) -> (DiskState, super::generation::Generations) {
         let meta = self.meta();
@@ -1641,6 +1667,18 @@ impl Backend for ReplicatedBackend {
 
     fn read(&self, offset: u64, length: usize) -> BackendFuture<'_, ReadData> {
         backend_future(async move {
+            if !self.shared.serves_local_reads() {
+                return Err(BackendError::because(
+                    "read",
+                    offset,
+                    length as u64,
+                    NbdError::Io,
+                    format_args!(
+                        "this secondary's disk is inconsistent (a full resync is under way, \
+                         or it lost its data): read through the primary"
+                    ),
+                ));
+            }
             if self.shared.is_detached() {
                 return self.shared.read_detached(offset, length).await;
             }
@@ -1657,7 +1695,7 @@ impl Backend for ReplicatedBackend {
     fn read_to_pipe(&self, offset: u64, length: usize) -> Option<crate::backend::splice::Spliced> {
         // Reads are local unless detached; one that cannot be spliced (or fails) takes
         // `read`, which heals a read error from a peer.
-        if self.shared.is_detached() {
+        if self.shared.is_detached() || !self.shared.serves_local_reads() {
             return None;
         }
         self.shared.local.read_to_pipe(offset, length)
@@ -1668,7 +1706,9 @@ impl Backend for ReplicatedBackend {
     }
 
     fn all_cached(&self, offset: u64, length: u64) -> bool {
-        !self.shared.is_detached() && self.shared.local.all_cached(offset, length)
+        !self.shared.is_detached()
+            && self.shared.serves_local_reads()
+            && self.shared.local.all_cached(offset, length)
     }
 
     fn write(&self, offset: u64, data: WriteData, fua: bool) -> BackendFuture<'_, ()> {

@@ -816,8 +816,9 @@ impl Metadata {
 
     /// Records that the backing lost every byte this metadata describes (a memory
     /// backing after a restart, or a backing file created anew under old metadata): the
-    /// node becomes a just-created one, not primary, whose data may be older than a peer's.
-    /// A peer with data then resyncs it in full, and it is promoted alone only by force.
+    /// node becomes a just-created one, not primary, with an inconsistent disk (it holds
+    /// nothing it can vouch for). A peer with data then resyncs it in full, and it is
+    /// promoted only by force before that.
     /// Kept as it was, the old generation would have matched the peers' and the node
     /// would have served zeroes as up to date (review, session 70). The superblock goes
     /// to disk before the cleared bits, so a crash between the two leaves a just-created
@@ -826,7 +827,7 @@ impl Metadata {
         self.update(|sb| {
             sb.generations = Generations::just_created();
             sb.primary = false;
-            sb.disk = DiskState::Outdated;
+            sb.disk = DiskState::Inconsistent;
             sb.created_blank = false;
         })?;
         self.mark_all_in_sync();
@@ -1253,7 +1254,7 @@ mod tests {
         let sb = metadata.superblock();
         assert_eq!(sb.generations, Generations::just_created());
         assert!(!sb.primary && !sb.created_blank);
-        assert_eq!(sb.disk, DiskState::Outdated);
+        assert_eq!(sb.disk, DiskState::Inconsistent);
         assert_eq!(metadata.out_of_sync_bytes(1), 0);
     }
 

@@ -237,6 +237,47 @@ async fn open_node(
         crate::backend::BackingSpec::Memory { .. } => true,
         crate::backend::BackingSpec::Path(path) => !path.exists(),
     };
+    // The size a blank backing will have (none: opening it fails with the reason).
+    let blank_size = match &me.backing {
+        _ if !blank_backing => None,
+        crate::backend::BackingSpec::Memory { size } => {
+            Some(*size).filter(|size| resource.size.map_or(true, |wanted| wanted == *size))
+        }
+        crate::backend::BackingSpec::Path(_) => resource.size,
+    };
+    let (path, node, resource_name) =
+        (me.metadata.clone(), name.to_string(), resource.name.clone());
+    let peers: Vec<String> = resource.peers_of(name).map(|n| n.name.clone()).collect();
+    let open_metadata = move |size: u64| {
+        let (path, node, resource_name, peers) = (
+            path.clone(),
+            node.clone(),
+            resource_name.clone(),
+            peers.clone(),
+        );
+        tokio::task::spawn_blocking(move || {
+            let mut meta = Metadata::open_or_create(
+                &path,
+                &node,
+                &resource_name,
+                &peers,
+                size,
+                blank_backing,
+            )?;
+            let held_data = meta.superblock().generations.current != JUST_CREATED;
+            if blank_backing && held_data {
+                meta.forget_data()?;
+            }
+            Ok::<_, MetaError>((meta, blank_backing && held_data))
+        })
+    };
+    // Over a blank backing the metadata comes first: that the data is gone is on disk
+    // before the new file is, so no crash or failed start in between leaves an empty
+    // file under metadata that still claims the data (re-review, session 70).
+    let early = match blank_size {
+        Some(size) => Some(open_metadata(size).await.context("metadata task")??),
+        None => None,
+    };
     let backend = me
         .backing
         .open(resource.size, false, me.cache)
@@ -247,26 +288,16 @@ async fn open_node(
     } else {
         backend
     };
-    let size = backend.size();
-    let (path, node, resource_name) =
-        (me.metadata.clone(), name.to_string(), resource.name.clone());
-    let peers: Vec<String> = resource.peers_of(name).map(|n| n.name.clone()).collect();
-    let (meta, forgotten) = tokio::task::spawn_blocking(move || {
-        let mut meta =
-            Metadata::open_or_create(&path, &node, &resource_name, &peers, size, blank_backing)?;
-        let held_data = meta.superblock().generations.current != JUST_CREATED;
-        if blank_backing && held_data {
-            meta.forget_data()?;
-        }
-        Ok::<_, MetaError>((meta, blank_backing && held_data))
-    })
-    .await
-    .context("metadata task")??;
+    let (meta, forgotten) = match early {
+        Some(opened) => opened,
+        None => open_metadata(backend.size())
+            .await
+            .context("metadata task")??,
+    };
     if forgotten {
         warn!(
             "the backing is new (empty) but the metadata says this node held data: it now \
-             counts as a new node, resynced in full from a peer, and is promoted alone \
-             only with --force"
+             counts as a new node without data (inconsistent), resynced in full from a peer"
         );
     }
     if meta.recovered_extents() > 0 {
@@ -296,13 +327,28 @@ async fn take_primary_role(shared: &Shared) {
                 .is_some()
         })
     };
+    // A new node waits for its peers as long as it takes: the first primary is chosen
+    // with every node present (`Shared::promote_checked`), so the timeout would only
+    // have it refused (and a peer starting a second late would find no primary).
+    let new_node = shared.local_state().1.current == JUST_CREATED;
     if !all_connected() {
-        info!(
-            "--primary: waiting up to {:?} for the peers before taking the primary role",
-            shared.resource.peer_timeout
-        );
+        if new_node {
+            info!(
+                "--primary: waiting for every peer before taking the first primary role \
+                 (a new node waits as long as it takes; `netblk promote --force` takes the \
+                 role alone)"
+            );
+        } else {
+            info!(
+                "--primary: waiting up to {:?} for the peers before taking the primary role",
+                shared.resource.peer_timeout
+            );
+        }
     }
-    while !all_connected() && !shared.role_commanded() && tokio::time::Instant::now() < deadline {
+    while !all_connected()
+        && !shared.role_commanded()
+        && (new_node || tokio::time::Instant::now() < deadline)
+    {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     match shared.promote_unless_commanded() {

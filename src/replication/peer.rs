@@ -57,6 +57,8 @@ pub struct PeerConn {
     pub plan: Plan,
     /// The peer's generations, from its hello and later state messages.
     peer_generations: Mutex<Generations>,
+    /// The peer's metadata was created with a blank backing (its hello).
+    pub peer_created_blank: bool,
     /// Replicated writes go to this peer.
     pub replicating: AtomicBool,
     /// The peer finished its resync from this node and has every write since.
@@ -131,6 +133,7 @@ impl PeerConn {
             peer: hello.node.clone(),
             plan,
             peer_generations: Mutex::new(hello.generations),
+            peer_created_blank: hello.created_blank,
             replicating: AtomicBool::new(false),
             synced: AtomicBool::new(false),
             outbox: Outbox::default(),
@@ -465,6 +468,7 @@ const RELINK_MOST: Duration = Duration::from_secs(10);
 
 fn our_hello(shared: &Shared) -> Hello {
     let (disk, generations) = shared.local_state();
+    let created_blank = shared.meta().superblock().created_blank;
     Hello {
         version: PROTOCOL_VERSION,
         resource: shared.resource.name.clone(),
@@ -474,6 +478,7 @@ fn our_hello(shared: &Shared) -> Hello {
         role: shared.role(),
         disk,
         protocol: shared.resource.protocol,
+        created_blank,
     }
 }
 

@@ -215,7 +215,9 @@ async fn cluster_started(
         .zip(secondary_locals)
         .map(|(name, local)| open(name, local))
         .collect();
-    primary.promote(false).unwrap();
+    // The harness picks the first primary before any link is up: forced, as an operator
+    // would with `netblk promote --force`.
+    primary.promote(true).unwrap();
     let mut stops = Vec::new();
     let all = std::iter::once(&primary).chain(&secondaries);
     for (shared, listener) in all.zip(listeners) {

@@ -14,7 +14,7 @@ use super::generation::Generations;
 /// First field of every [`Hello`]: "NBLKREPL".
 pub const HELLO_MAGIC: u64 = 0x4e42_4c4b_5245_504c;
 /// The protocol version this code speaks.
-pub const PROTOCOL_VERSION: u16 = 6;
+pub const PROTOCOL_VERSION: u16 = 7;
 /// Largest data payload in one frame (an NBD write can be this large).
 pub const MAX_DATA: usize = crate::wire::MAX_PAYLOAD as usize;
 /// Largest frame body: the largest payload plus the fixed fields in front of it.
@@ -113,6 +113,11 @@ pub struct Hello {
     /// (a secondary applies writes in order only under A and B, which the primary's
     /// protocol relies on).
     pub protocol: Protocol,
+    /// The sender's metadata was created with a blank backing (see
+    /// `meta::Superblock::created_blank`): at the just-created generation, a node without
+    /// it may hold data older than another's, and no node becomes the first primary over
+    /// it without force (protocol version 7).
+    pub created_blank: bool,
 }
 
 /// One message between two nodes.
@@ -406,6 +411,7 @@ impl Message {
                 out.put_u8(hello.role.code());
                 out.put_u8(hello.disk.code());
                 out.put_u8(protocol_code(hello.protocol));
+                out.put_u8(u8::from(hello.created_blank));
             }
             Message::Refuse { reason } => {
                 out.put_u8(kind::REFUSE);
@@ -615,6 +621,7 @@ impl Message {
                     role: r.role()?,
                     disk: r.disk()?,
                     protocol: r.protocol()?,
+                    created_blank: r.flag("created blank")?,
                 })
             }
             kind::REFUSE => {
@@ -945,6 +952,14 @@ impl Fields {
         }
     }
 
+    fn flag(&mut self, field: &'static str) -> Result<bool, PeerWireError> {
+        match self.u8(field)? {
+            0 => Ok(false),
+            1 => Ok(true),
+            other => Err(self.bad(field, u64::from(other))),
+        }
+    }
+
     fn protocol(&mut self) -> Result<Protocol, PeerWireError> {
         match self.u8("protocol")? {
             1 => Ok(Protocol::A),
@@ -976,6 +991,7 @@ pub fn example_messages() -> Vec<Message> {
             role: Role::Primary,
             disk: DiskState::UpToDate,
             protocol: Protocol::C,
+            created_blank: false,
         }),
         Message::Refuse {
             reason: "resource r1 is not r0".into(),
@@ -1225,10 +1241,21 @@ mod tests {
                 generations(),
                 role(),
                 disk(),
-                prop_oneof![Just(Protocol::A), Just(Protocol::B), Just(Protocol::C)]
+                prop_oneof![Just(Protocol::A), Just(Protocol::B), Just(Protocol::C)],
+                any::<bool>()
             )
                 .prop_map(
-                    |(version, resource, node, size, generations, role, disk, protocol)| {
+                    |(
+                        version,
+                        resource,
+                        node,
+                        size,
+                        generations,
+                        role,
+                        disk,
+                        protocol,
+                        created_blank,
+                    )| {
                         Message::Hello(Hello {
                             version,
                             resource,
@@ -1238,6 +1265,7 @@ mod tests {
                             role,
                             disk,
                             protocol,
+                            created_blank,
                         })
                     }
                 ),

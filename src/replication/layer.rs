@@ -1278,10 +1278,11 @@ impl Shared {
     /// window. Returns the run and the data bytes sent, or no bytes if this node stopped
     /// being primary before all of it was sent (then the run's bits stay).
     ///
-    /// The comparison takes no range lock: a client write meanwhile goes to the target
-    /// too, so where the checksums match, both nodes end with that write over the same
-    /// bytes, whichever of them it reached before its checksum was taken (marks that a
-    /// lost link leaves keep their bits: [`Metadata::copying`]). Only the data is read and
+    /// The comparison holds the range lock only for its local read, not for the round
+    /// trip: a client write that starts after the read chose its peers with the target
+    /// among them, so where the checksums match, both nodes end with that write over the
+    /// same bytes, whichever of them it reached before its checksum was taken (marks that
+    /// a lost link leaves keep their bits: [`Metadata::copying`]). The data is read and
     /// sent under the range lock, message by message once the window has room, so a
     /// client write waits for at most one message there. Until session 70 the lock was
     /// held from the read to the last data ack, through the pacer and everything queued
@@ -1302,16 +1303,19 @@ impl Shared {
         }
         let offset = first * REGION_SIZE;
         let length = (count * REGION_SIZE).min(size - offset);
-        // A mark from here on is newer than anything this run copies.
-        self.meta().copying(slot.index, offset, length);
+        // The checksums are of a read under the range lock: a write still running when
+        // this pass began (one that chose its peers without this one, and marked its
+        // regions before the pass) is on this disk before the read. Read without the
+        // lock, the old bytes matched the target's, the bit was cleared, and the write
+        // then landed here only (re-review, session 70). The lock is let go of before
+        // the round trip; a mark from here on is newer than anything this run copies.
         let checksums = {
-            let data = self
-                .local
-                .read(offset, length as usize)
-                .await
-                .map_err(|e| format!("resync read: {e}"))?
-                .bytes();
-            piece_checksums(&data, REGION_SIZE as usize)
+            let _guard = self.lock_range(offset, length).await;
+            self.meta().copying(slot.index, offset, length);
+            piece_checksums(
+                &self.resync_read(offset, length).await?,
+                REGION_SIZE as usize,
+            )
         };
         let id = self.request_id();
         let reply = conn.request(
@@ -1366,6 +1370,16 @@ impl Shared {
         Ok((first, count, (!stopped).then_some(sent)))
     }
 
+    /// Reads what a resync compares or sends from the local disk.
+    async fn resync_read(&self, offset: u64, length: u64) -> Result<Bytes, String> {
+        Ok(self
+            .local
+            .read(offset, length as usize)
+            .await
+            .map_err(|e| format!("resync read: {e}"))?
+            .bytes())
+    }
+
     /// Sends `length` bytes at `offset` to a resync target once the data window has room
     /// and the pacer allows, read and sent under the range lock (released once the target
     /// has them). Returns the bytes sent, or `None` if this node is no longer primary (a
@@ -1386,12 +1400,7 @@ impl Shared {
         if !self.is_primary() {
             return Ok(None);
         }
-        let data = self
-            .local
-            .read(offset, length as usize)
-            .await
-            .map_err(|e| format!("resync read: {e}"))?
-            .bytes();
+        let data = self.resync_read(offset, length).await?;
         let id = self.request_id();
         credit.sending();
         let write = conn.request(

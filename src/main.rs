@@ -622,17 +622,15 @@ fn control_path(target: &ControlTarget) -> anyhow::Result<std::path::PathBuf> {
                     }
                 );
             };
-            {
-                if status.node != *node || status.resource != resource.name {
-                    bail!(
-                        "{} answers for node {} of resource {}, not node {node} of {}: \
-                         give each node its own control path",
-                        path.display(),
-                        status.node,
-                        status.resource,
-                        resource.name
-                    );
-                }
+            if status.node != *node || status.resource != resource.name {
+                bail!(
+                    "{} answers for node {} of resource {}, not node {node} of {}: \
+                     give each node its own control path",
+                    path.display(),
+                    status.node,
+                    status.resource,
+                    resource.name
+                );
             }
             path
         }

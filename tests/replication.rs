@@ -136,6 +136,14 @@ fn qemu_io(uri: &str, commands: &[&str]) -> std::process::Output {
     cmd.output().expect("run qemu-io")
 }
 
+/// `qemu-io` opening the export read-only, as a secondary exports it.
+fn qemu_io_read_only(uri: &str, command: &str) -> std::process::Output {
+    Command::new("qemu-io")
+        .args(["-r", "-f", "raw", "-c", command, uri])
+        .output()
+        .expect("run qemu-io")
+}
+
 fn assert_same_files(a: &Path, b: &Path) {
     let (a_data, b_data) = (read_all(a), read_all(b));
     assert_eq!(a_data.len(), b_data.len());
@@ -1071,13 +1079,7 @@ fn a_node_that_lost_its_data_at_a_restart_is_resynced_in_full() {
     let beta = start_node(&config, "beta", false);
     wait_for_log("beta", || beta.stderr(), "in sync with the primary", 1);
     for (offset, pattern) in [("0", 7), ("1200M", 1)] {
-        // A secondary exports read-only.
-        let out = Command::new("qemu-io")
-            .args(["-r", "-f", "raw", "-c"])
-            .arg(format!("read -P {pattern} {offset} 4k"))
-            .arg(beta.uri())
-            .output()
-            .unwrap();
+        let out = qemu_io_read_only(&beta.uri(), &format!("read -P {pattern} {offset} 4k"));
         let said = String::from_utf8_lossy(&out.stdout);
         assert!(
             out.status.success() && !said.contains("verification failed"),
@@ -1094,11 +1096,7 @@ fn a_node_that_lost_its_data_at_a_restart_is_resynced_in_full() {
     // Alone, its data gone again: it serves no reads from its disk, and is not promoted
     // without force.
     let beta = start_node(&config, "beta", false);
-    let out = Command::new("qemu-io")
-        .args(["-r", "-f", "raw", "-c", "read 0 4k"])
-        .arg(beta.uri())
-        .output()
-        .unwrap();
+    let out = qemu_io_read_only(&beta.uri(), "read 0 4k");
     let said = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
     assert!(said.contains("Input/output error"), "{out:?}");
     let refused = netblk(&["promote", "--node", "beta"], &config);

@@ -1510,7 +1510,7 @@ impl Shared {
     }
 
     /// Whether client reads may come from this node's disk: on a secondary, not while
-    /// the disk is inconsistent (overwritten region by region in a full resync, or its
+    /// the disk is inconsistent (overwritten region by region in a resync, or its
     /// data lost at a restart), where it served a mix of old bytes and zeroes as data
     /// (re-review, session 70). A primary's reads are its own, forced or not.
     pub fn serves_local_reads(&self) -> bool {
@@ -1683,7 +1683,7 @@ impl Backend for ReplicatedBackend {
                     length as u64,
                     NbdError::Io,
                     format_args!(
-                        "this secondary's disk is inconsistent (a full resync is under way, \
+                        "this secondary's disk is inconsistent (a resync into it is under way, \
                          or it lost its data): read through the primary"
                     ),
                 ));

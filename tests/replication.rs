@@ -136,6 +136,15 @@ fn qemu_io(uri: &str, commands: &[&str]) -> std::process::Output {
     cmd.output().expect("run qemu-io")
 }
 
+/// Asserts that a `netblk` command failed with `reason` in what it printed.
+fn assert_refused(output: &std::process::Output, reason: &str) {
+    let said = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        !output.status.success() && said.contains(reason),
+        "{output:?}"
+    );
+}
+
 /// `qemu-io` opening the export read-only, as a secondary exports it.
 fn qemu_io_read_only(uri: &str, command: &str) -> std::process::Output {
     Command::new("qemu-io")
@@ -1099,11 +1108,9 @@ fn a_node_that_lost_its_data_at_a_restart_is_resynced_in_full() {
     let out = qemu_io_read_only(&beta.uri(), "read 0 4k");
     let said = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
     assert!(said.contains("Input/output error"), "{out:?}");
-    let refused = netblk(&["promote", "--node", "beta"], &config);
-    let why = String::from_utf8_lossy(&refused.stderr);
-    assert!(
-        !refused.status.success() && why.contains("no data generation yet"),
-        "{refused:?}"
+    assert_refused(
+        &netblk(&["promote", "--node", "beta"], &config),
+        "no data generation yet",
     );
     let forced = netblk(&["promote", "--node", "beta", "--force"], &config);
     assert!(forced.status.success(), "{forced:?}");
@@ -1125,11 +1132,9 @@ fn the_first_primary_is_chosen_with_every_node_and_not_over_old_data() {
     // Alone, a new node waits; only force makes it primary.
     let alpha = start_node(&config, "alpha", true);
     wait_for_log("alpha", || alpha.stderr(), "--primary: waiting", 1);
-    let refused = netblk(&["promote", "--node", "alpha"], &config);
-    let why = String::from_utf8_lossy(&refused.stderr);
-    assert!(
-        !refused.status.success() && why.contains("not every peer is connected"),
-        "{refused:?}"
+    assert_refused(
+        &netblk(&["promote", "--node", "alpha"], &config),
+        "not every peer is connected",
     );
     let forced = netblk(&["promote", "--node", "alpha", "--force"], &config);
     assert!(forced.status.success(), "{forced:?}");
@@ -1157,11 +1162,9 @@ fn the_first_primary_is_chosen_with_every_node_and_not_over_old_data() {
         "{}",
         alpha.stderr()
     );
-    let refused = netblk(&["promote", "--node", "beta"], &config);
-    let why = String::from_utf8_lossy(&refused.stderr);
-    assert!(
-        !refused.status.success() && why.contains("peer alpha has no data generation yet"),
-        "{refused:?}"
+    assert_refused(
+        &netblk(&["promote", "--node", "beta"], &config),
+        "peer alpha has no data generation yet",
     );
     assert!(alpha.stop().success());
     assert!(beta.stop().success());

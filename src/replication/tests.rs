@@ -383,6 +383,50 @@ async fn a_write_is_not_acknowledged_degraded_when_the_loss_cannot_be_recorded()
     let _ = pair.stop.send(true);
 }
 
+/// A write that chose its peers while the secondary was away, and whose local write is
+/// still running when the secondary is back, is on the primary's disk before the resync
+/// pass reads for its checksums: read without the range lock, the old bytes matched the
+/// secondary's, the bit was cleared, and the write landed on the primary only (re-review,
+/// session 70).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_degraded_write_still_running_at_the_reconnect_reaches_the_secondary() {
+    let disk = GatedDisk::new();
+    let pair = pair("C", Arc::clone(&disk) as Arc<dyn Backend>).await;
+    let connected = |pair: &Pair| pair.primary.status().peers[0].connected;
+    pair.primary.drop_connections();
+    wait_until("the primary sees the link gone", || !connected(&pair)).await;
+    disk.open.send_replace(false);
+    let backend = pair.primary_backend();
+    let data = pattern(7, 65536);
+    let written = data.clone();
+    let write = tokio::spawn(async move { backend.write(0, written.into(), false).await });
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while disk.waiting.load(Ordering::Acquire) == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the write reaches the primary's disk");
+    // The link is redialled within a second; the pass then finds the region marked.
+    wait_until("the secondary is back", || connected(&pair)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    disk.open.send_replace(true);
+    write.await.unwrap().unwrap();
+    wait_until("the pass ends with nothing out of sync", || {
+        let status = pair.primary.status();
+        let peer = &status.peers[0];
+        peer.connected && !peer.resync_running && peer.out_of_sync_bytes == 0
+    })
+    .await;
+    let on_secondary = pair.secondary.local.read(0, 65536).await.unwrap().bytes();
+    assert_eq!(
+        on_secondary, data,
+        "the secondary misses an acknowledged write"
+    );
+    assert!(pair.replicas_equal().await);
+    let _ = pair.stop.send(true);
+}
+
 /// A pair under `protocol` whose primary's disk is a [`FaultyDisk`], and that disk.
 async fn pair_on_a_faulty_disk(protocol: &str) -> (Arc<FaultyDisk>, Pair) {
     let disk = FaultyDisk::new();

@@ -1117,6 +1117,53 @@ fn a_node_that_lost_its_data_at_a_restart_is_resynced_in_full() {
     assert!(beta.stop().success());
 }
 
+/// A disk replaced, or an image created anew, at a node's backing path while it was down
+/// holds data of unknown age. The metadata, a separate file, still named the old disk's
+/// generation, so the node came back "in sync" holding zeroes, and a failover to it lost
+/// every acknowledged write (a session 70 Left item). It now counts as a new node and is
+/// resynced in full.
+#[test]
+fn a_backing_replaced_at_the_same_path_is_resynced_in_full() {
+    if !have("qemu-io") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair_sized(dir.path(), "2G");
+    let (alpha, beta) = start_pair_in_sync(&config);
+    // 1 MiB at 0, then one write in each of 300 other 4 MiB extents: the first extent
+    // leaves the activity log, so nothing but the new rule resyncs it.
+    let mut commands = vec!["write -P 7 0 1M".to_string(), "flush".to_string()];
+    commands.extend((1..=300).map(|i| format!("write -P 1 {}M 4k", i * 4)));
+    commands.push("flush".into());
+    let commands: Vec<&str> = commands.iter().map(String::as_str).collect();
+    let out = qemu_io(&alpha.uri(), &commands);
+    assert!(out.status.success(), "{out:?}");
+    assert!(beta.stop().success());
+    let beta_img = dir.path().join("beta.img");
+    std::fs::remove_file(&beta_img).unwrap();
+    let replaced = std::fs::File::create(&beta_img).unwrap();
+    replaced.set_len(2 << 30).unwrap();
+    drop(replaced);
+    let beta = start_node(&config, "beta", false);
+    wait_for_log("beta", || beta.stderr(), "in sync with the primary", 1);
+    for (offset, pattern) in [("0", 7), ("1200M", 1)] {
+        let out = qemu_io_read_only(&beta.uri(), &format!("read -P {pattern} {offset} 4k"));
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && !said.contains("verification failed"),
+            "beta at {offset}: {out:?}"
+        );
+    }
+    assert!(
+        beta.stderr()
+            .contains("is not the one this node's metadata describes"),
+        "{}",
+        beta.stderr()
+    );
+    assert!(alpha.stop().success());
+    assert!(beta.stop().success());
+}
+
 /// The first primary is chosen with every node present, and never over a peer whose disk
 /// held data before its metadata was created. New metadata over such a disk says nothing
 /// of how old the data is: recreated metadata let a lone node serve stale data (review,

@@ -54,6 +54,15 @@ const BITMAP_OFFSET: u64 = AL_OFFSET + AL_RING * RECORD_SIZE;
 const REGIONS_PER_EXTENT: u64 = EXTENT_SIZE / REGION_SIZE;
 const BITMAP_PAGE: u64 = 4096;
 
+/// The kind of [`BackingIdentity`] a superblock records after its peers.
+mod backing_tag {
+    pub const FILE: u8 = 1;
+    pub const DEVICE: u8 = 2;
+}
+
+/// The longest device identity a superblock keeps, in bytes.
+const MAX_SERIAL: usize = 256;
+
 mod flag {
     pub const PRIMARY: u32 = 1 << 0;
     /// The node shut down cleanly: the activity log needs no recovery.
@@ -131,6 +140,120 @@ pub struct Superblock {
     /// metadata over a backing that already held data (recreated metadata, say) may hide
     /// data older than a peer's.
     pub created_blank: bool,
+    /// The backing this metadata describes, as far as it can be told apart from another
+    /// at the same path (none: a memory backing, one not yet looked at, or metadata older
+    /// than this field).
+    pub backing: Option<BackingIdentity>,
+}
+
+/// What tells the backing this metadata vouches for from another disk or image put at the
+/// same path: the metadata is a separate file, so a replaced disk, or an image deleted
+/// and created anew, would otherwise inherit its generation and be taken for up to date
+/// (a session 70 Left item).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BackingIdentity {
+    /// A regular file: its inode number and birth time (nanoseconds since the epoch, 0
+    /// where the file system keeps none). A file deleted and created anew often gets the
+    /// freed inode number back, so the birth time is what tells them apart. The device
+    /// number is left out: btrfs subvolumes and network file systems may get another one
+    /// at each mount.
+    File { inode: u64, born_ns: u64 },
+    /// A block device: the disk's WWID or serial number from sysfs, and for a partition
+    /// its number and first sector. The device number is left out: disks may be numbered
+    /// in another order at the next boot.
+    Device { serial: String },
+}
+
+impl BackingIdentity {
+    /// The identity of the backing at `path`, or `None` if it has none to tell (a block
+    /// device without a serial number in sysfs, such as a loop device) or cannot be read.
+    pub fn of(path: &Path) -> Option<BackingIdentity> {
+        use std::os::unix::fs::{FileTypeExt, MetadataExt};
+        let stat = std::fs::metadata(path).ok()?;
+        if stat.file_type().is_block_device() {
+            return device_serial(stat.rdev()).map(|serial| BackingIdentity::Device { serial });
+        }
+        if !stat.is_file() {
+            return None;
+        }
+        let born_ns = stat
+            .created()
+            .ok()
+            .and_then(|born| born.duration_since(std::time::UNIX_EPOCH).ok())
+            .map_or(0, |since| since.as_nanos() as u64);
+        Some(BackingIdentity::File {
+            inode: stat.ino(),
+            born_ns,
+        })
+    }
+
+    /// Whether `self` (recorded) and `now` name different backings. A birth time of 0 on
+    /// either side (not kept) compares the inode alone.
+    fn differs_from(&self, now: &BackingIdentity) -> bool {
+        match (self, now) {
+            (
+                BackingIdentity::File { inode, born_ns },
+                BackingIdentity::File {
+                    inode: inode_now,
+                    born_ns: born_now,
+                },
+            ) => inode != inode_now || (*born_ns != 0 && *born_now != 0 && born_ns != born_now),
+            (BackingIdentity::Device { serial }, BackingIdentity::Device { serial: now }) => {
+                serial != now
+            }
+            _ => true,
+        }
+    }
+}
+
+impl std::fmt::Display for BackingIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BackingIdentity::File { inode, born_ns: 0 } => write!(f, "inode {inode}"),
+            BackingIdentity::File { inode, born_ns } => {
+                let born = std::time::UNIX_EPOCH + std::time::Duration::from_nanos(*born_ns);
+                write!(
+                    f,
+                    "inode {inode} created {}",
+                    humantime::format_rfc3339_nanos(born)
+                )
+            }
+            BackingIdentity::Device { serial } => write!(f, "disk {serial}"),
+        }
+    }
+}
+
+/// The WWID or serial number sysfs shows for block device `device`'s disk, with the
+/// partition's number and first sector for a partition.
+fn device_serial(device: u64) -> Option<String> {
+    let (major, minor) = (rustix::fs::major(device), rustix::fs::minor(device));
+    let node = std::fs::canonicalize(format!("/sys/dev/block/{major}:{minor}")).ok()?;
+    let read = |path: PathBuf| {
+        std::fs::read_to_string(path)
+            .ok()
+            .map(|text| text.trim().to_string())
+            .filter(|text| !text.is_empty())
+    };
+    let partition = read(node.join("partition"));
+    let disk = match partition {
+        Some(_) => node.parent()?.to_path_buf(),
+        None => node.clone(),
+    };
+    let serial = ["wwid", "device/wwid", "serial", "device/serial"]
+        .into_iter()
+        .find_map(|name| read(disk.join(name)))?;
+    let mut serial = match partition {
+        Some(number) => format!(
+            "{serial} partition {number} at sector {}",
+            read(node.join("start")).unwrap_or_default()
+        ),
+        None => serial,
+    };
+    // Cut to what a superblock keeps, the same way at every start.
+    while serial.len() > MAX_SERIAL {
+        serial.pop();
+    }
+    Some(serial)
 }
 
 /// The open metadata of one node. Its methods do blocking file I/O.
@@ -365,6 +488,7 @@ impl Metadata {
                 disk: DiskState::Outdated,
                 clean: true,
                 created_blank: blank_backing,
+                backing: None,
             },
             superblock_seq: 0,
             al_extents: Vec::new(),
@@ -834,6 +958,34 @@ impl Metadata {
         self.flush_bitmap()
     }
 
+    /// Compares the backing now at the node's path with the one this metadata describes.
+    /// Another backing (a replaced disk, an image deleted and created anew, one restored
+    /// from a copy) holds data of unknown age: its data is forgotten ([`Self::forget_data`])
+    /// and the new identity recorded in the same superblock write, and the recorded one is
+    /// returned. Where none was recorded (new or older metadata), `now` is recorded; where
+    /// `now` is unknown, the record stays.
+    pub fn check_backing(
+        &mut self,
+        now: Option<BackingIdentity>,
+    ) -> Result<Option<BackingIdentity>, MetaError> {
+        let Some(now) = now else {
+            return Ok(None);
+        };
+        match self.superblock.backing.clone() {
+            Some(recorded) if recorded.differs_from(&now) => {
+                self.superblock.backing = Some(now);
+                self.forget_data()?;
+                Ok(Some(recorded))
+            }
+            Some(recorded) if recorded == now => Ok(None),
+            // New metadata, older metadata, or a birth time that is now known.
+            _ => {
+                self.update(|sb| sb.backing = Some(now))?;
+                Ok(None)
+            }
+        }
+    }
+
     /// Marks one region in sync with `peer`.
     pub fn mark_in_sync(&mut self, peer: usize, region: u64) {
         self.set_bit(peer, region, false);
@@ -1056,6 +1208,20 @@ fn encode_superblock(seq: u64, sb: &Superblock) -> Vec<u8> {
         body.extend_from_slice(&(text.len() as u16).to_be_bytes());
         body.extend_from_slice(text.as_bytes());
     }
+    // Last, and only when known: metadata written before this field ends at the peers.
+    match &sb.backing {
+        None => {}
+        Some(BackingIdentity::File { inode, born_ns }) => {
+            body.push(backing_tag::FILE);
+            body.extend_from_slice(&inode.to_be_bytes());
+            body.extend_from_slice(&born_ns.to_be_bytes());
+        }
+        Some(BackingIdentity::Device { serial }) => {
+            body.push(backing_tag::DEVICE);
+            body.extend_from_slice(&(serial.len() as u16).to_be_bytes());
+            body.extend_from_slice(serial.as_bytes());
+        }
+    }
     let len = body.len() as u16;
     let mut record = len.to_be_bytes().to_vec();
     record.extend(body);
@@ -1103,6 +1269,19 @@ fn decode_superblock(record: &[u8]) -> Option<(u64, Superblock)> {
     let peers = (0..peer_count)
         .map(|_| text())
         .collect::<Option<Vec<_>>>()?;
+    let backing = match take(1).map(|tag| tag[0]) {
+        None => None,
+        Some(backing_tag::FILE) => Some(BackingIdentity::File {
+            inode: u64_of(take(8)?),
+            born_ns: u64_of(take(8)?),
+        }),
+        Some(backing_tag::DEVICE) => {
+            let n = usize::from(u16::from_be_bytes(take(2)?.try_into().ok()?));
+            let serial = String::from_utf8(take(n)?.to_vec()).ok()?;
+            Some(BackingIdentity::Device { serial })
+        }
+        Some(_) => return None,
+    };
     Some((
         seq,
         Superblock {
@@ -1115,6 +1294,7 @@ fn decode_superblock(record: &[u8]) -> Option<(u64, Superblock)> {
             disk,
             clean: flags & flag::CLEAN != 0,
             created_blank: flags & flag::CREATED_BLANK != 0,
+            backing,
         },
     ))
 }
@@ -1168,6 +1348,17 @@ mod tests {
             ]
         }
 
+        fn backing() -> impl Strategy<Value = Option<BackingIdentity>> {
+            prop_oneof![
+                Just(None),
+                any::<(u64, u64)>()
+                    .prop_map(|(inode, born_ns)| Some(BackingIdentity::File { inode, born_ns })),
+                proptest::string::string_regex("[ -~é]{0,120}")
+                    .expect("valid regex")
+                    .prop_map(|serial| Some(BackingIdentity::Device { serial })),
+            ]
+        }
+
         proptest! {
             #[test]
             fn superblocks_round_trip_in_one_record_and_any_damage_is_refused(
@@ -1178,6 +1369,7 @@ mod tests {
                 gens in any::<[u64; 4]>(),
                 (primary, clean, created_blank) in any::<(bool, bool, bool)>(),
                 disk in disk(),
+                backing in backing(),
                 flip in any::<(usize, u8)>(),
             ) {
                 let sb = Superblock {
@@ -1185,7 +1377,7 @@ mod tests {
                     generations: Generations {
                         current: gens[0], bitmap: gens[1], history: [gens[2], gens[3]],
                     },
-                    primary, disk, clean, created_blank,
+                    primary, disk, clean, created_blank, backing,
                 };
                 let record = encode_superblock(seq, &sb);
                 prop_assert!(record.len() as u64 <= RECORD_SIZE);
@@ -1227,6 +1419,80 @@ mod tests {
         let metadata =
             Metadata::open_or_create(&path, "alpha", "r0", &peers(), SIZE, true).unwrap();
         (path, metadata)
+    }
+
+    #[test]
+    fn another_backing_at_the_path_makes_the_node_forget_its_data() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, mut metadata) = fresh(&dir);
+        let first = BackingIdentity::File {
+            inode: 12,
+            born_ns: 1_700_000_000_000_000_000,
+        };
+        // Nothing recorded yet (new, or older metadata): recorded, nothing forgotten.
+        assert_eq!(metadata.check_backing(Some(first.clone())).unwrap(), None);
+        metadata
+            .update(|sb| {
+                sb.generations.current = 0x1234;
+                sb.disk = DiskState::UpToDate;
+            })
+            .unwrap();
+        // The same backing, or one that cannot be told now: nothing changes.
+        assert_eq!(metadata.check_backing(Some(first.clone())).unwrap(), None);
+        assert_eq!(metadata.check_backing(None).unwrap(), None);
+        // A birth time not kept on one side compares the inode alone.
+        let no_birth = BackingIdentity::File {
+            inode: 12,
+            born_ns: 0,
+        };
+        assert_eq!(metadata.check_backing(Some(no_birth)).unwrap(), None);
+        assert_eq!(metadata.superblock().generations.current, 0x1234);
+        assert_eq!(metadata.check_backing(Some(first.clone())).unwrap(), None);
+        // The same inode number born later: a file deleted and created anew.
+        let recreated = BackingIdentity::File {
+            inode: 12,
+            born_ns: 1_800_000_000_000_000_000,
+        };
+        assert_eq!(
+            metadata.check_backing(Some(recreated.clone())).unwrap(),
+            Some(first)
+        );
+        drop(metadata);
+        let mut metadata = Metadata::open(&path).unwrap();
+        let sb = metadata.superblock();
+        assert_eq!(sb.generations, Generations::just_created());
+        assert_eq!(sb.disk, DiskState::Inconsistent);
+        assert_eq!(sb.backing, Some(recreated.clone()));
+        // A block device where a file was, and another disk's serial.
+        let disk = BackingIdentity::Device {
+            serial: "0x5000c500a1b2c3d4".into(),
+        };
+        assert_eq!(
+            metadata.check_backing(Some(disk.clone())).unwrap(),
+            Some(recreated)
+        );
+        let other = BackingIdentity::Device {
+            serial: "0x5000c500ffffffff".into(),
+        };
+        assert_eq!(metadata.check_backing(Some(other)).unwrap(), Some(disk));
+    }
+
+    #[test]
+    fn a_files_identity_changes_when_it_is_created_anew_at_the_same_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("disk.img");
+        std::fs::write(&path, [0u8; 4096]).unwrap();
+        let first = BackingIdentity::of(&path).expect("a file has an identity");
+        assert_eq!(BackingIdentity::of(&path), Some(first.clone()));
+        // Rewritten in place: the same file.
+        std::fs::write(&path, [1u8; 4096]).unwrap();
+        assert_eq!(BackingIdentity::of(&path), Some(first.clone()));
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        std::fs::remove_file(&path).unwrap();
+        std::fs::write(&path, [0u8; 4096]).unwrap();
+        let second = BackingIdentity::of(&path).unwrap();
+        assert!(first.differs_from(&second), "{first} against {second}");
+        assert_eq!(BackingIdentity::of(&dir.path().join("missing")), None);
     }
 
     #[test]

@@ -14,7 +14,7 @@ use super::config::ResourceConfig;
 use super::control::run_control;
 use super::generation::JUST_CREATED;
 use super::layer::{ReplicatedBackend, Shared};
-use super::meta::{MetaError, Metadata};
+use super::meta::{BackingIdentity, MetaError, Metadata};
 use super::peer::run_replication;
 use crate::server::{serve, ClientOptions, Export, Listener, ServerConfig};
 use crate::tcp::TcpSettings;
@@ -298,6 +298,28 @@ async fn open_node(
         warn!(
             "the backing is new (empty) but the metadata says this node held data: it now \
              counts as a new node without data (inconsistent), resynced in full from a peer"
+        );
+    }
+    // Another disk or image at the backing's path holds data of unknown age.
+    let backing_path = match &me.backing {
+        crate::backend::BackingSpec::Path(path) => Some(path.clone()),
+        crate::backend::BackingSpec::Memory { .. } => None,
+    };
+    let (meta, replaced) = tokio::task::spawn_blocking(move || {
+        let mut meta = meta;
+        let now = backing_path.as_deref().and_then(BackingIdentity::of);
+        let replaced = meta.check_backing(now.clone())?;
+        Ok::<_, MetaError>((meta, replaced.zip(now)))
+    })
+    .await
+    .context("metadata task")??;
+    if let (Some((recorded, now)), false) = (replaced, forgotten) {
+        warn!(
+            "the backing is not the one this node's metadata describes ({recorded} then, \
+             {now} now): a disk replaced, or an image created anew or restored, at the same \
+             path holds data of unknown age. The node now counts as a new node without data \
+             (inconsistent), resynced in full from a peer; `netblk promote --force` keeps \
+             this data instead"
         );
     }
     if meta.recovered_extents() > 0 {

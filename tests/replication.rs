@@ -904,6 +904,37 @@ fn demoting_a_secondary_keeps_its_link() {
     assert!(secondary.stop().success());
 }
 
+/// A switchover keeps protocol C for the new primary's first writes: its promotion drops
+/// the links to redo them in the new role, and writes in that gap went to no peer (a
+/// review, session 71: about half a second of writes after `promote`, on one node
+/// only). They now wait for the relink: a write acknowledged at once by the new
+/// primary is on the old one when the new one dies right after.
+#[test]
+fn the_first_writes_after_a_switchover_reach_the_old_primary() {
+    if !have("qemu-io") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = loopback_pair(dir.path());
+    let (alpha, beta) = start_pair_in_sync(&config);
+    std::thread::sleep(Duration::from_millis(1200));
+    let demote = netblk(&["demote", "--node", "alpha"], &config);
+    assert!(demote.status.success(), "{demote:?}");
+    let promote = netblk(&["promote", "--node", "beta"], &config);
+    assert!(promote.status.success(), "{promote:?}");
+    let out = qemu_io(&beta.uri(), &["write -P 3 0 64k"]);
+    assert!(out.status.success(), "{out:?}");
+    beta.signal("KILL");
+    let log = beta.stderr();
+    assert!(alpha.stop().success());
+    let on_alpha = read_all(&dir.path().join("alpha.img"));
+    assert!(
+        on_alpha[..65536].iter().all(|&b| b == 3),
+        "the old primary misses a write the new one acknowledged"
+    );
+    assert!(!log.contains("writing without every peer"), "{log}");
+}
+
 /// Two nodes given one metadata path on one host (a file meant for two hosts, started on
 /// one): the second is refused at its start, and a command for it is refused too rather
 /// than taken by the first node, whose control socket it reached (re-review, session 69:

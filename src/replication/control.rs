@@ -211,6 +211,15 @@ impl Shared {
                 });
             }
         }
+        self.relink_all();
+    }
+
+    /// Drops every link to redo it in this node's new role, the dialling side dialling
+    /// again at once (see [`super::layer::PeerSlot::relink_at_once`]).
+    pub fn relink_all(&self) {
+        for slot in &self.peers {
+            slot.relink_at_once.store(true, Ordering::Release);
+        }
         self.drop_connections();
     }
 
@@ -353,7 +362,7 @@ async fn answer(shared: &Shared, request: &str) -> Reply {
                 return done(Ok("already secondary".into()));
             }
             let result = shared.demote().await.map(|()| {
-                shared.drop_connections();
+                shared.relink_all();
                 "demoted to secondary".to_string()
             });
             done(result)

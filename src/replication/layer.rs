@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::stream::{FuturesUnordered, StreamExt};
-use tokio::sync::{oneshot, Notify};
+use tokio::sync::{oneshot, watch, Notify};
 use tracing::{info, warn};
 
 use super::config::{NodeConfig, Protocol, ResourceConfig};
@@ -120,6 +120,14 @@ pub struct PeerSlot {
     /// The last link ended after the peer's disk failed a write: the dialing side waits
     /// longer before the next (`peer::dial_loop`), which clears it.
     pub disk_failed: AtomicBool,
+    /// When the last link with this peer ended (see [`Shared::expect_relinks`]).
+    pub link_ended: Mutex<Option<std::time::Instant>>,
+    /// Since this node's last promotion: the peer is expected to link again in the new
+    /// role, and writes wait for it (see [`Shared::wait_for_relinks`]).
+    pub expected_back: AtomicBool,
+    /// This node dropped the link to redo it in a new role: the dialling side dials again
+    /// at once rather than after the retry interval (`peer::dial_loop`, which clears it).
+    pub relink_at_once: AtomicBool,
 }
 
 impl PeerSlot {
@@ -175,7 +183,18 @@ pub struct Shared {
     /// [`Shared::detach`]); `detached_why` says which.
     detached: AtomicBool,
     detached_why: Mutex<Option<String>>,
+    /// After a promotion, until when writes wait for the peers expected back (see
+    /// [`Shared::wait_for_relinks`]); `None` once none is.
+    relink_deadline: Mutex<Option<tokio::time::Instant>>,
+    /// Bumped whenever a link is installed or lost: what writes waiting for relinks watch.
+    links_changed: watch::Sender<u64>,
 }
+
+/// How long writes after a promotion wait at most for the peers that had a link (or lost
+/// one shortly before) to link again in the new role; `peer_timeout` if shorter. A
+/// relink on loopback takes a few milliseconds; the bound is what a peer that does not
+/// come back costs the first writes, once.
+const RELINK_GRACE: Duration = Duration::from_secs(2);
 
 /// The replicated export's backend.
 #[derive(Clone)]
@@ -249,6 +268,9 @@ impl Shared {
                 refused: Mutex::new(None),
                 lost: Mutex::new(None),
                 disk_failed: AtomicBool::new(false),
+                link_ended: Mutex::new(None),
+                expected_back: AtomicBool::new(false),
+                relink_at_once: AtomicBool::new(false),
             })
             .collect();
         Ok(Arc::new(Shared {
@@ -270,7 +292,81 @@ impl Shared {
             al_released: Notify::new(),
             detached: AtomicBool::new(false),
             detached_why: Mutex::new(None),
+            relink_deadline: Mutex::new(None),
+            links_changed: watch::channel(0).0,
         }))
+    }
+
+    /// At a promotion, whose announcement drops every link so that each peer links again
+    /// in the new role: the peers that had a link, or lost one within the grace before, are
+    /// expected back, and writes wait for them (at most [`RELINK_GRACE`], or
+    /// `peer_timeout` if shorter). Written meanwhile, the new primary's first writes went
+    /// to no peer: after every switchover, a quarter of a second of acknowledged writes
+    /// was on one node only, under a new data generation and resynced later (review,
+    /// session 71).
+    pub fn expect_relinks(&self) {
+        let grace = RELINK_GRACE.min(self.resource.peer_timeout);
+        let now = std::time::Instant::now();
+        let mut any = false;
+        for slot in &self.peers {
+            let linked = slot
+                .conn
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_some();
+            let lately = slot
+                .link_ended
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_some_and(|ended| now.duration_since(ended) < grace);
+            let expected = linked || lately;
+            slot.expected_back.store(expected, Ordering::Release);
+            any |= expected;
+        }
+        *self
+            .relink_deadline
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = any.then(|| tokio::time::Instant::now() + grace);
+    }
+
+    /// Waits, after a promotion, until every peer expected back takes writes again, or
+    /// the grace is over (see [`Self::expect_relinks`]). Free once that is done.
+    async fn wait_for_relinks(&self) {
+        let Some(deadline) = *self
+            .relink_deadline
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+        else {
+            return;
+        };
+        let mut changed = self.links_changed.subscribe();
+        loop {
+            let waiting = self.peers.iter().any(|slot| {
+                slot.expected_back.load(Ordering::Acquire)
+                    && !slot
+                        .conn
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .as_ref()
+                        .is_some_and(|c| c.replicating.load(Ordering::Acquire))
+            });
+            if !waiting || !self.is_primary() {
+                break;
+            }
+            if tokio::time::timeout_at(deadline, changed.changed())
+                .await
+                .is_err()
+            {
+                break;
+            }
+        }
+        let mut current = self
+            .relink_deadline
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if *current == Some(deadline) {
+            *current = None;
+        }
     }
 
     pub fn is_primary(&self) -> bool {
@@ -440,6 +536,8 @@ impl Shared {
             sb.disk = DiskState::UpToDate;
         })
         .map_err(|e| e.to_string())?;
+        // Before the role: a write that sees it also waits for the links to be redone.
+        self.expect_relinks();
         self.primary.store(true, Ordering::Release);
         self.data_confirmed.store(true, Ordering::Release);
         info!(
@@ -549,6 +647,9 @@ impl Shared {
         let was_replicating = conn.replicating.swap(false, Ordering::AcqRel);
         *current = None;
         drop(current);
+        *slot.link_ended.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some(std::time::Instant::now());
+        self.links_changed.send_modify(|n| *n += 1);
         // What this end said when it closed the link (the peer's disk failed a write)
         // tells more than whichever waiter saw the close first (re-review).
         let why = conn.close_reason().unwrap_or_else(|| why.to_string());
@@ -658,6 +759,7 @@ impl Shared {
         }
         *current = Some(conn);
         *slot.refused.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        self.links_changed.send_modify(|n| *n += 1);
         Ok(())
     }
 
@@ -790,6 +892,7 @@ impl Shared {
         if !self.is_primary() {
             return Err(BackendError::plain(op, offset, length, NbdError::Perm));
         }
+        self.wait_for_relinks().await;
         let _range = self.ranges.lock(offset, length.max(1)).await;
         // Again: a demotion may have begun while this waited for an overlapping write,
         // and found the ranges idle in the moment between that write and this one.

@@ -421,6 +421,7 @@ async fn dial_loop(shared: Arc<Shared>, index: usize, mut stop: watch::Receiver<
     // links lasted, a frozen peer's timed-out hellos and a flapping network's cut links
     // delayed a good relink by up to 10 s (re-review).
     let mut relink = retry;
+    let mut redials_now: Vec<tokio::time::Instant> = Vec::new();
     loop {
         if *stop.borrow() {
             return;
@@ -430,7 +431,9 @@ async fn dial_loop(shared: Arc<Shared>, index: usize, mut stop: watch::Receiver<
         let failed = match tokio::time::timeout(shared.resource.peer_timeout, connecting).await {
             Ok(Ok(stream)) => {
                 failing = false;
-                run_connection(Arc::clone(&shared), stream, addr, Some(index), stop.clone()).await;
+                let installed =
+                    run_connection(Arc::clone(&shared), stream, addr, Some(index), stop.clone())
+                        .await;
                 let disk_failed = shared.peers[index]
                     .disk_failed
                     .swap(false, Ordering::AcqRel);
@@ -439,7 +442,23 @@ async fn dial_loop(shared: Arc<Shared>, index: usize, mut stop: watch::Receiver<
                 } else {
                     retry
                 };
-                wait = relink;
+                // A link dropped for a role change (a promotion or demotion here, or a
+                // promotion the peer announced) is dialled again at once: the new
+                // primary's first writes wait for it (see `Shared::expect_relinks`), for
+                // milliseconds rather than the retry interval. Only a link that got past
+                // its hello, and at most three a second, so no failure is retried in a
+                // loop.
+                let slot = &shared.peers[index];
+                let role_change = slot.relink_at_once.swap(false, Ordering::AcqRel)
+                    || slot.announced_primary.load(Ordering::Acquire);
+                redials_now.retain(|at| at.elapsed() < Duration::from_secs(1));
+                let redial_now = role_change && installed && !disk_failed && redials_now.len() < 3;
+                wait = if redial_now {
+                    redials_now.push(tokio::time::Instant::now());
+                    Duration::ZERO
+                } else {
+                    relink
+                };
                 if disk_failed {
                     debug!(%peer, "the peer's disk failed a write: next dial in {wait:?}");
                 }
@@ -643,14 +662,15 @@ async fn read_hello(
     }
 }
 
-/// One peer connection from hello to close.
+/// One peer connection from hello to close. Answers whether the link was installed
+/// (its hello accepted by both ends).
 async fn run_connection(
     shared: Arc<Shared>,
     stream: TcpStream,
     addr: SocketAddr,
     expected: Option<usize>,
     stop: watch::Receiver<bool>,
-) {
+) -> bool {
     shared.tcp.tune(&stream, &addr.to_string());
     let (mut reader, mut writer) = stream.into_split();
     let timeout = shared.resource.peer_timeout;
@@ -659,7 +679,7 @@ async fn run_connection(
     let sent_role = ours.role;
     Message::Hello(ours).encode(&mut out);
     if writer.write_all(&out).await.is_err() {
-        return;
+        return false;
     }
     let mut buf = BytesMut::with_capacity(256 * 1024);
     let hello = match read_hello(&mut reader, &mut buf, timeout).await {
@@ -671,15 +691,15 @@ async fn run_connection(
             } else {
                 debug!("peer at {addr} refused this node again: {reason}");
             }
-            return;
+            return false;
         }
         Ok(other) => {
             warn!("peer at {addr} sent {} before its hello", other.name());
-            return;
+            return false;
         }
         Err(e) => {
             debug!("no hello from {addr}: {e}");
-            return;
+            return false;
         }
     };
     let checked =
@@ -702,7 +722,7 @@ async fn run_connection(
             let mut out = BytesMut::new();
             Message::Refuse { reason }.encode(&mut out);
             let _ = writer.write_all(&out).await;
-            return;
+            return false;
         }
     };
     let slot = &shared.peers[index];
@@ -772,6 +792,7 @@ async fn run_connection(
         resync.abort();
     }
     let _ = writer_task.await;
+    true
 }
 
 /// Sends what the outbox's senders could not write at once, until the connection closes.

@@ -144,6 +144,11 @@ pub struct Superblock {
     /// at the same path (none: a memory backing, one not yet looked at, or metadata older
     /// than this field).
     pub backing: Option<BackingIdentity>,
+    /// A file backing's modification time (nanoseconds since the epoch) when the node
+    /// last closed cleanly; 0 if unknown. The node is its file's only writer, so a change
+    /// by the next start means another tool rewrote it in place (`cp`, `qemu-img create`,
+    /// `truncate`, `dd`), which the inode and birth time do not show.
+    pub backing_modified_ns: u64,
 }
 
 /// What tells the backing this metadata vouches for from another disk or image put at the
@@ -211,16 +216,27 @@ impl std::fmt::Display for BackingIdentity {
         match self {
             BackingIdentity::File { inode, born_ns: 0 } => write!(f, "inode {inode}"),
             BackingIdentity::File { inode, born_ns } => {
-                let born = std::time::UNIX_EPOCH + std::time::Duration::from_nanos(*born_ns);
-                write!(
-                    f,
-                    "inode {inode} created {}",
-                    humantime::format_rfc3339_nanos(born)
-                )
+                write!(f, "inode {inode} created {}", format_ns(*born_ns))
             }
             BackingIdentity::Device { serial } => write!(f, "disk {serial}"),
         }
     }
+}
+
+/// The modification time of the file at `path`, in nanoseconds since the epoch; 0 if
+/// unknown.
+fn modified_ns(path: &Path) -> u64 {
+    std::fs::metadata(path)
+        .and_then(|stat| stat.modified())
+        .ok()
+        .and_then(|modified| modified.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |since| since.as_nanos() as u64)
+}
+
+/// A time in nanoseconds since the epoch, as RFC 3339.
+fn format_ns(ns: u64) -> String {
+    humantime::format_rfc3339_nanos(std::time::UNIX_EPOCH + std::time::Duration::from_nanos(ns))
+        .to_string()
 }
 
 /// The WWID or serial number sysfs shows for block device `device`'s disk, with the
@@ -263,6 +279,9 @@ pub struct Metadata {
     path: PathBuf,
     superblock: Superblock,
     superblock_seq: u64,
+    /// The backing file this metadata describes, once [`Self::check_backing`] was told
+    /// it: its modification time is recorded at each clean close.
+    backing_path: Option<PathBuf>,
     /// Extents in the on-disk log, in least-recently-used-first order.
     al_extents: Vec<u64>,
     /// Writes in flight per logged extent (same order as `al_extents`).
@@ -489,7 +508,9 @@ impl Metadata {
                 clean: true,
                 created_blank: blank_backing,
                 backing: None,
+                backing_modified_ns: 0,
             },
+            backing_path: None,
             superblock_seq: 0,
             al_extents: Vec::new(),
             al_refs: Vec::new(),
@@ -626,6 +647,7 @@ impl Metadata {
             dirty_pages: BTreeSet::new(),
             recovered_extents: 0,
             failed: None,
+            backing_path: None,
         };
         if !was_clean {
             let extents = metadata.al_extents.clone();
@@ -662,7 +684,18 @@ impl Metadata {
         if clean {
             self.flush_bitmap()?;
         }
-        self.update(|sb| sb.clean = clean)
+        // After the node's last write: compared at the next start (see
+        // [`Superblock::backing_modified_ns`]).
+        let modified = match (&self.superblock.backing, &self.backing_path) {
+            (Some(BackingIdentity::File { .. }), Some(path)) if clean => modified_ns(path),
+            _ => 0,
+        };
+        self.update(|sb| {
+            sb.clean = clean;
+            if clean {
+                sb.backing_modified_ns = modified;
+            }
+        })
     }
 
     fn write_superblock(&mut self) -> Result<(), MetaError> {
@@ -964,22 +997,56 @@ impl Metadata {
     /// and the new identity recorded in the same superblock write, and the recorded one is
     /// returned. Where none was recorded (new or older metadata), `now` is recorded; where
     /// `now` is unknown, the record stays.
-    pub fn check_backing(
+    /// Also, where the last close was clean, a file modified since (rewritten in place by
+    /// another tool) counts as another backing. Returns why the backing counts as another
+    /// one, if it does; remembers `path` for the modification time of the next clean
+    /// close.
+    pub fn check_backing(&mut self, path: Option<&Path>) -> Result<Option<String>, MetaError> {
+        self.backing_path = path.map(Path::to_path_buf);
+        let Some(path) = path else {
+            return Ok(None);
+        };
+        self.check_backing_identity(BackingIdentity::of(path), modified_ns(path))
+    }
+
+    /// [`Self::check_backing`] with the backing's identity and modification time given.
+    fn check_backing_identity(
         &mut self,
         now: Option<BackingIdentity>,
-    ) -> Result<Option<BackingIdentity>, MetaError> {
+        modified_now: u64,
+    ) -> Result<Option<String>, MetaError> {
         let Some(now) = now else {
             return Ok(None);
         };
-        match self.superblock.backing.clone() {
+        let sb = &self.superblock;
+        let replaced = match &sb.backing {
             Some(recorded) if recorded.differs_from(&now) => {
-                self.superblock.backing = Some(now);
-                self.forget_data()?;
-                Ok(Some(recorded))
+                Some(format!("{recorded} then, {now} now"))
             }
-            Some(recorded) if recorded == now => Ok(None),
+            Some(BackingIdentity::File { .. })
+                if sb.clean
+                    && sb.backing_modified_ns != 0
+                    && modified_now != 0
+                    && modified_now != sb.backing_modified_ns =>
+            {
+                Some(format!(
+                    "modified {} since the node's clean stop, which it left at {}",
+                    format_ns(modified_now),
+                    format_ns(sb.backing_modified_ns)
+                ))
+            }
+            _ => None,
+        };
+        match replaced {
+            Some(why) => {
+                self.superblock.backing = Some(now);
+                self.superblock.backing_modified_ns = 0;
+                self.forget_data()?;
+                Ok(Some(why))
+            }
+            None if sb.backing.as_ref() == Some(&now) => Ok(None),
             // New metadata, older metadata, or a birth time that is now known.
-            _ => {
+            None => {
                 self.update(|sb| sb.backing = Some(now))?;
                 Ok(None)
             }
@@ -1215,6 +1282,7 @@ fn encode_superblock(seq: u64, sb: &Superblock) -> Vec<u8> {
             body.push(backing_tag::FILE);
             body.extend_from_slice(&inode.to_be_bytes());
             body.extend_from_slice(&born_ns.to_be_bytes());
+            body.extend_from_slice(&sb.backing_modified_ns.to_be_bytes());
         }
         Some(BackingIdentity::Device { serial }) => {
             body.push(backing_tag::DEVICE);
@@ -1269,12 +1337,18 @@ fn decode_superblock(record: &[u8]) -> Option<(u64, Superblock)> {
     let peers = (0..peer_count)
         .map(|_| text())
         .collect::<Option<Vec<_>>>()?;
+    let mut backing_modified_ns = 0;
     let backing = match take(1).map(|tag| tag[0]) {
         None => None,
-        Some(backing_tag::FILE) => Some(BackingIdentity::File {
-            inode: u64_of(take(8)?),
-            born_ns: u64_of(take(8)?),
-        }),
+        Some(backing_tag::FILE) => {
+            let identity = BackingIdentity::File {
+                inode: u64_of(take(8)?),
+                born_ns: u64_of(take(8)?),
+            };
+            // Absent from records written before it was kept.
+            backing_modified_ns = take(8).map_or(0, u64_of);
+            Some(identity)
+        }
         Some(backing_tag::DEVICE) => {
             let n = usize::from(u16::from_be_bytes(take(2)?.try_into().ok()?));
             let serial = String::from_utf8(take(n)?.to_vec()).ok()?;
@@ -1295,6 +1369,7 @@ fn decode_superblock(record: &[u8]) -> Option<(u64, Superblock)> {
             clean: flags & flag::CLEAN != 0,
             created_blank: flags & flag::CREATED_BLANK != 0,
             backing,
+            backing_modified_ns,
         },
     ))
 }
@@ -1370,14 +1445,20 @@ mod tests {
                 (primary, clean, created_blank) in any::<(bool, bool, bool)>(),
                 disk in disk(),
                 backing in backing(),
+                modified in any::<u64>(),
                 flip in any::<(usize, u8)>(),
             ) {
+                // Kept only beside a file's identity.
+                let backing_modified_ns = match backing {
+                    Some(BackingIdentity::File { .. }) => modified,
+                    _ => 0,
+                };
                 let sb = Superblock {
                     node, resource, peers, size,
                     generations: Generations {
                         current: gens[0], bitmap: gens[1], history: [gens[2], gens[3]],
                     },
-                    primary, disk, clean, created_blank, backing,
+                    primary, disk, clean, created_blank, backing, backing_modified_ns,
                 };
                 let record = encode_superblock(seq, &sb);
                 prop_assert!(record.len() as u64 <= RECORD_SIZE);
@@ -1430,7 +1511,12 @@ mod tests {
             born_ns: 1_700_000_000_000_000_000,
         };
         // Nothing recorded yet (new, or older metadata): recorded, nothing forgotten.
-        assert_eq!(metadata.check_backing(Some(first.clone())).unwrap(), None);
+        assert_eq!(
+            metadata
+                .check_backing_identity(Some(first.clone()), 0)
+                .unwrap(),
+            None
+        );
         metadata
             .update(|sb| {
                 sb.generations.current = 0x1234;
@@ -1438,24 +1524,39 @@ mod tests {
             })
             .unwrap();
         // The same backing, or one that cannot be told now: nothing changes.
-        assert_eq!(metadata.check_backing(Some(first.clone())).unwrap(), None);
-        assert_eq!(metadata.check_backing(None).unwrap(), None);
+        assert_eq!(
+            metadata
+                .check_backing_identity(Some(first.clone()), 0)
+                .unwrap(),
+            None
+        );
+        assert_eq!(metadata.check_backing_identity(None, 0).unwrap(), None);
         // A birth time not kept on one side compares the inode alone.
         let no_birth = BackingIdentity::File {
             inode: 12,
             born_ns: 0,
         };
-        assert_eq!(metadata.check_backing(Some(no_birth)).unwrap(), None);
+        assert_eq!(
+            metadata.check_backing_identity(Some(no_birth), 0).unwrap(),
+            None
+        );
         assert_eq!(metadata.superblock().generations.current, 0x1234);
-        assert_eq!(metadata.check_backing(Some(first.clone())).unwrap(), None);
+        assert_eq!(
+            metadata
+                .check_backing_identity(Some(first.clone()), 0)
+                .unwrap(),
+            None
+        );
         // The same inode number born later: a file deleted and created anew.
         let recreated = BackingIdentity::File {
             inode: 12,
             born_ns: 1_800_000_000_000_000_000,
         };
         assert_eq!(
-            metadata.check_backing(Some(recreated.clone())).unwrap(),
-            Some(first)
+            metadata
+                .check_backing_identity(Some(recreated.clone()), 0)
+                .unwrap(),
+            Some(format!("{first} then, {recreated} now"))
         );
         drop(metadata);
         let mut metadata = Metadata::open(&path).unwrap();
@@ -1468,13 +1569,67 @@ mod tests {
             serial: "0x5000c500a1b2c3d4".into(),
         };
         assert_eq!(
-            metadata.check_backing(Some(disk.clone())).unwrap(),
-            Some(recreated)
+            metadata
+                .check_backing_identity(Some(disk.clone()), 0)
+                .unwrap(),
+            Some(format!("{recreated} then, {disk} now"))
         );
         let other = BackingIdentity::Device {
             serial: "0x5000c500ffffffff".into(),
         };
-        assert_eq!(metadata.check_backing(Some(other)).unwrap(), Some(disk));
+        assert_eq!(
+            metadata
+                .check_backing_identity(Some(other.clone()), 0)
+                .unwrap(),
+            Some(format!("{disk} then, {other} now"))
+        );
+    }
+
+    #[test]
+    fn a_file_rewritten_in_place_after_a_clean_close_makes_the_node_forget_its_data() {
+        let dir = tempfile::tempdir().unwrap();
+        let image = dir.path().join("disk.img");
+        std::fs::write(&image, [7u8; 4096]).unwrap();
+        let (path, mut metadata) = fresh(&dir);
+        assert_eq!(metadata.check_backing(Some(&image)).unwrap(), None);
+        let with_data = |metadata: &mut Metadata| {
+            metadata
+                .update(|sb| {
+                    sb.generations.current = 0x1234;
+                    sb.disk = DiskState::UpToDate;
+                })
+                .unwrap()
+        };
+        with_data(&mut metadata);
+        // Closed cleanly: the file's modification time is recorded.
+        metadata.set_clean(true).unwrap();
+        drop(metadata);
+        let mut metadata = Metadata::open(&path).unwrap();
+        assert_ne!(metadata.superblock().backing_modified_ns, 0);
+        assert_eq!(metadata.check_backing(Some(&image)).unwrap(), None);
+        metadata.set_clean(true).unwrap();
+        drop(metadata);
+        // Rewritten in place (the same inode and birth time), as `cp` or `dd` do.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        std::fs::write(&image, [0u8; 4096]).unwrap();
+        let mut metadata = Metadata::open(&path).unwrap();
+        let why = metadata.check_backing(Some(&image)).unwrap();
+        assert!(why.is_some_and(|why| why.contains("modified")));
+        assert_eq!(
+            metadata.superblock().generations,
+            Generations::just_created()
+        );
+        // Not compared after a close that was not clean: the node's own writes may have
+        // changed the time since it was recorded.
+        with_data(&mut metadata);
+        metadata.set_clean(true).unwrap();
+        metadata.set_clean(false).unwrap();
+        drop(metadata);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        std::fs::write(&image, [1u8; 4096]).unwrap();
+        let mut metadata = Metadata::open(&path).unwrap();
+        assert_eq!(metadata.check_backing(Some(&image)).unwrap(), None);
+        assert_eq!(metadata.superblock().generations.current, 0x1234);
     }
 
     #[test]

@@ -14,7 +14,7 @@ use super::config::ResourceConfig;
 use super::control::run_control;
 use super::generation::JUST_CREATED;
 use super::layer::{ReplicatedBackend, Shared};
-use super::meta::{BackingIdentity, MetaError, Metadata};
+use super::meta::{MetaError, Metadata};
 use super::peer::run_replication;
 use crate::server::{serve, ClientOptions, Export, Listener, ServerConfig};
 use crate::tcp::TcpSettings;
@@ -307,17 +307,16 @@ async fn open_node(
     };
     let (meta, replaced) = tokio::task::spawn_blocking(move || {
         let mut meta = meta;
-        let now = backing_path.as_deref().and_then(BackingIdentity::of);
-        let replaced = meta.check_backing(now.clone())?;
-        Ok::<_, MetaError>((meta, replaced.zip(now)))
+        let replaced = meta.check_backing(backing_path.as_deref())?;
+        Ok::<_, MetaError>((meta, replaced))
     })
     .await
     .context("metadata task")??;
-    if let (Some((recorded, now)), false) = (replaced, forgotten) {
+    if let (Some(why), false) = (replaced, forgotten) {
         warn!(
-            "the backing is not the one this node's metadata describes ({recorded} then, \
-             {now} now): a disk replaced, or an image created anew or restored, at the same \
-             path holds data of unknown age. The node now counts as a new node without data \
+            "the backing is not the one this node's metadata describes ({why}): a disk \
+             replaced, or an image created anew, rewritten or restored, at the same path \
+             holds data of unknown age. The node now counts as a new node without data \
              (inconsistent), resynced in full from a peer; `netblk promote --force` keeps \
              this data instead"
         );

@@ -219,6 +219,7 @@ impl Shared {
     pub fn relink_all(&self) {
         for slot in &self.peers {
             slot.relink_at_once.store(true, Ordering::Release);
+            slot.relink_now.notify_one();
         }
         self.drop_connections();
     }

@@ -128,6 +128,10 @@ pub struct PeerSlot {
     /// This node dropped the link to redo it in a new role: the dialling side dials again
     /// at once rather than after the retry interval (`peer::dial_loop`, which clears it).
     pub relink_at_once: AtomicBool,
+    /// Wakes the dialling side from its retry wait when [`Self::relink_at_once`] is set:
+    /// after a demotion elsewhere its wait had begun, and a promotion here then found
+    /// the peer half a second away (re-review, session 71).
+    pub relink_now: Notify,
 }
 
 impl PeerSlot {
@@ -271,6 +275,7 @@ impl Shared {
                 link_ended: Mutex::new(None),
                 expected_back: AtomicBool::new(false),
                 relink_at_once: AtomicBool::new(false),
+                relink_now: Notify::new(),
             })
             .collect();
         Ok(Arc::new(Shared {
@@ -552,6 +557,9 @@ impl Shared {
     /// every replica before the role change is recorded.
     pub async fn demote(&self) -> Result<(), String> {
         self.primary.store(false, Ordering::Release);
+        // Writes waiting for relinks after a promotion fail now, not at the grace's end
+        // (re-review, session 71).
+        self.links_changed.send_modify(|n| *n += 1);
         self.ranges.wait_idle().await;
         self.flush_all()
             .await

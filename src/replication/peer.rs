@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use futures_util::stream::{FuturesUnordered, StreamExt};
+use futures_util::FutureExt;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::{TcpListener, TcpStream};
@@ -455,6 +456,8 @@ async fn dial_loop(shared: Arc<Shared>, index: usize, mut stop: watch::Receiver<
                 let redial_now = role_change && installed && !disk_failed && redials_now.len() < 3;
                 wait = if redial_now {
                     redials_now.push(tokio::time::Instant::now());
+                    // The wake-up that came with the flag is spent too.
+                    let _ = slot.relink_now.notified().now_or_never();
                     Duration::ZERO
                 } else {
                     relink
@@ -475,9 +478,14 @@ async fn dial_loop(shared: Arc<Shared>, index: usize, mut stop: watch::Receiver<
                 failing = true;
             }
         }
+        // A role change here (`Shared::relink_all`) cuts the wait short.
+        let slot = &shared.peers[index];
         tokio::select! {
             _ = stop.wait_for(|s| *s) => return,
             _ = tokio::time::sleep(wait) => {}
+            _ = slot.relink_now.notified() => {
+                slot.relink_at_once.store(false, Ordering::Release);
+            }
         }
     }
 }

@@ -153,6 +153,31 @@ fn qemu_io_read_only(uri: &str, command: &str) -> std::process::Output {
         .expect("run qemu-io")
 }
 
+/// Through a primary of at least 1.2 GiB: 1 MiB of pattern 7 at 0, then one 4 KiB write
+/// of pattern 1 in each of 300 other 4 MiB extents, so that the first extent leaves the
+/// activity log and no crash recovery or clean-stop marking resyncs it.
+fn write_past_the_activity_log(uri: &str) {
+    let mut commands = vec!["write -P 7 0 1M".to_string(), "flush".to_string()];
+    commands.extend((1..=300).map(|i| format!("write -P 1 {}M 4k", i * 4)));
+    commands.push("flush".into());
+    let commands: Vec<&str> = commands.iter().map(String::as_str).collect();
+    let out = qemu_io(uri, &commands);
+    assert!(out.status.success(), "{out:?}");
+}
+
+/// That the (read-only) export at `uri` holds what [`write_past_the_activity_log`]
+/// wrote, at its start and in one of the later extents.
+fn assert_reads_what_was_written_past_the_log(uri: &str) {
+    for (offset, pattern) in [("0", 7), ("1200M", 1)] {
+        let out = qemu_io_read_only(uri, &format!("read -P {pattern} {offset} 4k"));
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && !said.contains("verification failed"),
+            "at {offset}: {out:?}"
+        );
+    }
+}
+
 fn assert_same_files(a: &Path, b: &Path) {
     let (a_data, b_data) = (read_all(a), read_all(b));
     assert_eq!(a_data.len(), b_data.len());
@@ -1107,25 +1132,11 @@ fn a_node_that_lost_its_data_at_a_restart_is_resynced_in_full() {
         "backing = \"memory:2G\"",
     );
     let (alpha, beta) = start_pair_in_sync(&config);
-    // 1 MiB at 0, then one write in each of 300 other 4 MiB extents: the first extent
-    // leaves the activity log, so no crash recovery marks it either.
-    let mut commands = vec!["write -P 7 0 1M".to_string(), "flush".to_string()];
-    commands.extend((1..=300).map(|i| format!("write -P 1 {}M 4k", i * 4)));
-    commands.push("flush".into());
-    let commands: Vec<&str> = commands.iter().map(String::as_str).collect();
-    let out = qemu_io(&alpha.uri(), &commands);
-    assert!(out.status.success(), "{out:?}");
+    write_past_the_activity_log(&alpha.uri());
     assert!(beta.stop().success());
     let beta = start_node(&config, "beta", false);
     wait_for_log("beta", || beta.stderr(), "in sync with the primary", 1);
-    for (offset, pattern) in [("0", 7), ("1200M", 1)] {
-        let out = qemu_io_read_only(&beta.uri(), &format!("read -P {pattern} {offset} 4k"));
-        let said = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success() && !said.contains("verification failed"),
-            "beta at {offset}: {out:?}"
-        );
-    }
+    assert_reads_what_was_written_past_the_log(&beta.uri());
     assert!(
         beta.stderr().contains("the backing is new (empty)"),
         "{}",
@@ -1161,14 +1172,7 @@ fn a_backing_replaced_at_the_same_path_is_resynced_in_full() {
     let dir = tempfile::tempdir().unwrap();
     let config = loopback_pair_sized(dir.path(), "2G");
     let (alpha, beta) = start_pair_in_sync(&config);
-    // 1 MiB at 0, then one write in each of 300 other 4 MiB extents: the first extent
-    // leaves the activity log, so nothing but the new rule resyncs it.
-    let mut commands = vec!["write -P 7 0 1M".to_string(), "flush".to_string()];
-    commands.extend((1..=300).map(|i| format!("write -P 1 {}M 4k", i * 4)));
-    commands.push("flush".into());
-    let commands: Vec<&str> = commands.iter().map(String::as_str).collect();
-    let out = qemu_io(&alpha.uri(), &commands);
-    assert!(out.status.success(), "{out:?}");
+    write_past_the_activity_log(&alpha.uri());
     assert!(beta.stop().success());
     let beta_img = dir.path().join("beta.img");
     std::fs::remove_file(&beta_img).unwrap();
@@ -1177,14 +1181,7 @@ fn a_backing_replaced_at_the_same_path_is_resynced_in_full() {
     drop(replaced);
     let beta = start_node(&config, "beta", false);
     wait_for_log("beta", || beta.stderr(), "in sync with the primary", 1);
-    for (offset, pattern) in [("0", 7), ("1200M", 1)] {
-        let out = qemu_io_read_only(&beta.uri(), &format!("read -P {pattern} {offset} 4k"));
-        let said = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success() && !said.contains("verification failed"),
-            "beta at {offset}: {out:?}"
-        );
-    }
+    assert_reads_what_was_written_past_the_log(&beta.uri());
     assert!(
         beta.stderr()
             .contains("is not the one this node's metadata describes"),

@@ -261,6 +261,17 @@ impl GatedDisk {
             abandoned: Arc::new(AtomicUsize::new(0)),
         })
     }
+
+    /// Waits until a write waits at the shut gate.
+    async fn wait_for_a_held_write(&self) {
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while self.waiting.load(Ordering::Acquire) == 0 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("a write reaches the gated disk");
+    }
 }
 
 /// Counts its write as abandoned if dropped before [`Unfinished::done`].
@@ -323,13 +334,7 @@ async fn a_secondary_finishes_the_writes_it_was_applying_when_the_link_goes() {
     let written = data.clone();
     // It waits for the secondary's ack, until the link goes.
     let write = tokio::spawn(async move { backend.write(0, written.into(), false).await });
-    tokio::time::timeout(Duration::from_secs(10), async {
-        while disk.waiting.load(Ordering::Acquire) == 0 {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    })
-    .await
-    .expect("the write reaches the secondary's disk");
+    disk.wait_for_a_held_write().await;
     pair.primary.drop_connections();
     write.await.unwrap().unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -367,13 +372,7 @@ async fn a_write_is_not_acknowledged_degraded_when_the_loss_cannot_be_recorded()
     disk.open.send_replace(false);
     pair.primary.meta().refuse_writes();
     let write = tokio::spawn(async move { backend.write(0, pattern(2, 4096).into(), false).await });
-    tokio::time::timeout(Duration::from_secs(10), async {
-        while disk.waiting.load(Ordering::Acquire) == 0 {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    })
-    .await
-    .expect("the write reaches the secondary's disk");
+    disk.wait_for_a_held_write().await;
     pair.primary.drop_connections();
     let result = write.await.unwrap();
     let error = result.expect_err("acknowledged without the peer, the loss unrecorded");
@@ -400,13 +399,7 @@ async fn a_degraded_write_still_running_at_the_reconnect_reaches_the_secondary()
     let data = pattern(7, 65536);
     let written = data.clone();
     let write = tokio::spawn(async move { backend.write(0, written.into(), false).await });
-    tokio::time::timeout(Duration::from_secs(10), async {
-        while disk.waiting.load(Ordering::Acquire) == 0 {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    })
-    .await
-    .expect("the write reaches the primary's disk");
+    disk.wait_for_a_held_write().await;
     // The link is redialled within a second; the pass then finds the region marked.
     wait_until("the secondary is back", || connected(&pair)).await;
     tokio::time::sleep(Duration::from_millis(500)).await;

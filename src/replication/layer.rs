@@ -306,9 +306,9 @@ impl Shared {
     /// in the new role: the peers that had a link, or lost one within the grace before, are
     /// expected back, and writes wait for them (at most [`RELINK_GRACE`], or
     /// `peer_timeout` if shorter). Written meanwhile, the new primary's first writes went
-    /// to no peer: after every switchover, a quarter of a second of acknowledged writes
-    /// was on one node only, under a new data generation and resynced later (review,
-    /// session 71).
+    /// to no peer: after every switchover, about half a second of acknowledged writes was
+    /// on one node only, under a new data generation and resynced later (review, session
+    /// 71).
     pub fn expect_relinks(&self) {
         let grace = RELINK_GRACE.min(self.resource.peer_timeout);
         let now = std::time::Instant::now();

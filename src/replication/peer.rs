@@ -447,13 +447,19 @@ async fn dial_loop(shared: Arc<Shared>, index: usize, mut stop: watch::Receiver<
                 // promotion the peer announced) is dialled again at once: the new
                 // primary's first writes wait for it (see `Shared::expect_relinks`), for
                 // milliseconds rather than the retry interval. Only a link that got past
-                // its hello, and at most three a second, so no failure is retried in a
-                // loop.
+                // its hello (whose install cleared an earlier announcement), so only a new
+                // role change, by an operator or `--primary`, redials at once; and at most
+                // ten a second as a bound. Three a second held back half the relinks of
+                // the re-reviewer's loop of a switchover every 0.3 s, whose promotes were
+                // then refused while the peer's announcement stood.
                 let slot = &shared.peers[index];
                 let role_change = slot.relink_at_once.swap(false, Ordering::AcqRel)
                     || slot.announced_primary.load(Ordering::Acquire);
                 redials_now.retain(|at| at.elapsed() < Duration::from_secs(1));
-                let redial_now = role_change && installed && !disk_failed && redials_now.len() < 3;
+                let redial_now = role_change
+                    && installed
+                    && !disk_failed
+                    && redials_now.len() < MOST_REDIALS_NOW;
                 wait = if redial_now {
                     redials_now.push(tokio::time::Instant::now());
                     // The wake-up that came with the flag is spent too.
@@ -492,6 +498,9 @@ async fn dial_loop(shared: Arc<Shared>, index: usize, mut stop: watch::Receiver<
 
 /// The longest wait before dialing a peer again while its disk fails writes.
 const RELINK_MOST: Duration = Duration::from_secs(10);
+
+/// Redials at once (after role changes) in any one second, at most.
+const MOST_REDIALS_NOW: usize = 10;
 
 fn our_hello(shared: &Shared) -> Hello {
     let (disk, generations) = shared.local_state();

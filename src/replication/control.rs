@@ -215,10 +215,9 @@ impl Shared {
     }
 
     /// Drops every link to redo it in this node's new role, the dialling side dialling
-    /// again at once (see [`super::layer::PeerSlot::relink_at_once`]).
+    /// again at once (see [`super::layer::PeerSlot::relink_now`]).
     pub fn relink_all(&self) {
         for slot in &self.peers {
-            slot.relink_at_once.store(true, Ordering::Release);
             slot.relink_now.notify_one();
         }
         self.drop_connections();

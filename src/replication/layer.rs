@@ -126,15 +126,30 @@ pub struct PeerSlot {
     /// role, and writes wait for it (see [`Shared::wait_for_relinks`]).
     pub expected_back: AtomicBool,
     /// This node dropped the link to redo it in a new role: the dialling side dials again
-    /// at once rather than after the retry interval (`peer::dial_loop`, which clears it).
-    pub relink_at_once: AtomicBool,
-    /// Wakes the dialling side from its retry wait when [`Self::relink_at_once`] is set:
-    /// after a demotion elsewhere its wait had begun, and a promotion here then found
-    /// the peer half a second away (re-review, session 71).
+    /// at once rather than after the retry interval (`peer::dial_loop` takes the
+    /// permit). It also wakes a retry wait already running: after a demotion elsewhere
+    /// that wait had begun, and a promotion here then found the peer half a second away
+    /// (re-review, session 71).
     pub relink_now: Notify,
 }
 
 impl PeerSlot {
+    /// Whether a link with this peer is up (its hello done).
+    pub fn linked(&self) -> bool {
+        self.conn
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
+
+    /// The link with this peer, if it takes writes.
+    fn replicating_conn(&self) -> Option<Arc<PeerConn>> {
+        let conn = self.conn.lock().unwrap_or_else(|e| e.into_inner());
+        conn.as_ref()
+            .filter(|c| c.replicating.load(Ordering::Acquire))
+            .cloned()
+    }
+
     /// Records a refusal of a link with this peer; true when its reason is new (so worth a
     /// warning), false when it repeats the last one.
     pub fn note_refusal(&self, reason: &str) -> bool {
@@ -190,6 +205,8 @@ pub struct Shared {
     /// After a promotion, until when writes wait for the peers expected back (see
     /// [`Shared::wait_for_relinks`]); `None` once none is.
     relink_deadline: Mutex<Option<tokio::time::Instant>>,
+    /// Whether `relink_deadline` is set: what every write looks at, without a lock.
+    relinks_pending: AtomicBool,
     /// Bumped whenever a link is installed or lost: what writes waiting for relinks watch.
     links_changed: watch::Sender<u64>,
 }
@@ -274,7 +291,6 @@ impl Shared {
                 disk_failed: AtomicBool::new(false),
                 link_ended: Mutex::new(None),
                 expected_back: AtomicBool::new(false),
-                relink_at_once: AtomicBool::new(false),
                 relink_now: Notify::new(),
             })
             .collect();
@@ -298,6 +314,7 @@ impl Shared {
             detached: AtomicBool::new(false),
             detached_why: Mutex::new(None),
             relink_deadline: Mutex::new(None),
+            relinks_pending: AtomicBool::new(false),
             links_changed: watch::channel(0).0,
         }))
     }
@@ -314,11 +331,7 @@ impl Shared {
         let now = std::time::Instant::now();
         let mut any = false;
         for slot in &self.peers {
-            let linked = slot
-                .conn
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .is_some();
+            let linked = slot.linked();
             let lately = slot
                 .link_ended
                 .lock()
@@ -328,15 +341,20 @@ impl Shared {
             slot.expected_back.store(expected, Ordering::Release);
             any |= expected;
         }
-        *self
+        let mut deadline = self
             .relink_deadline
             .lock()
-            .unwrap_or_else(|e| e.into_inner()) = any.then(|| tokio::time::Instant::now() + grace);
+            .unwrap_or_else(|e| e.into_inner());
+        *deadline = any.then(|| tokio::time::Instant::now() + grace);
+        self.relinks_pending.store(any, Ordering::Release);
     }
 
     /// Waits, after a promotion, until every peer expected back takes writes again, or
     /// the grace is over (see [`Self::expect_relinks`]). Free once that is done.
     async fn wait_for_relinks(&self) {
+        if !self.relinks_pending.load(Ordering::Acquire) {
+            return;
+        }
         let Some(deadline) = *self
             .relink_deadline
             .lock()
@@ -347,13 +365,7 @@ impl Shared {
         let mut changed = self.links_changed.subscribe();
         loop {
             let waiting = self.peers.iter().any(|slot| {
-                slot.expected_back.load(Ordering::Acquire)
-                    && !slot
-                        .conn
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .as_ref()
-                        .is_some_and(|c| c.replicating.load(Ordering::Acquire))
+                slot.expected_back.load(Ordering::Acquire) && slot.replicating_conn().is_none()
             });
             if !waiting || !self.is_primary() {
                 break;
@@ -371,6 +383,7 @@ impl Shared {
             .unwrap_or_else(|e| e.into_inner());
         if *current == Some(deadline) {
             *current = None;
+            self.relinks_pending.store(false, Ordering::Release);
         }
     }
 
@@ -470,12 +483,7 @@ impl Shared {
             }
         }
         let fresh = sb.generations.current == JUST_CREATED;
-        let every_peer_connected = self.peers.iter().all(|slot| {
-            slot.conn
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .is_some()
-        });
+        let every_peer_connected = self.peers.iter().all(PeerSlot::linked);
         // The first primary (no data generation yet here) is chosen among all the nodes,
         // and never over a disk that may hold data of unknown age: a node created blank
         // alone said nothing of its peers' data (a memory node whose metadata was lost
@@ -575,12 +583,7 @@ impl Shared {
     fn replicating_conns(&self) -> Vec<Arc<PeerConn>> {
         self.peers
             .iter()
-            .filter_map(|slot| {
-                let conn = slot.conn.lock().unwrap_or_else(|e| e.into_inner());
-                conn.as_ref()
-                    .filter(|c| c.replicating.load(Ordering::Acquire))
-                    .cloned()
-            })
+            .filter_map(PeerSlot::replicating_conn)
             .collect()
     }
 

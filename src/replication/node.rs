@@ -340,14 +340,7 @@ async fn open_node(
 /// the end of the wait (review, session 66).
 async fn take_primary_role(shared: &Shared) {
     let deadline = tokio::time::Instant::now() + shared.resource.peer_timeout;
-    let all_connected = || {
-        shared.peers.iter().all(|slot| {
-            slot.conn
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .is_some()
-        })
-    };
+    let all_connected = || shared.peers.iter().all(super::layer::PeerSlot::linked);
     // A new node waits for its peers as long as it takes: the first primary is chosen
     // with every node present (`Shared::promote_checked`), so the timeout would only
     // have it refused (and a peer starting a second late would find no primary).

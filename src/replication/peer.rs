@@ -453,7 +453,7 @@ async fn dial_loop(shared: Arc<Shared>, index: usize, mut stop: watch::Receiver<
                 // the re-reviewer's loop of a switchover every 0.3 s, whose promotes were
                 // then refused while the peer's announcement stood.
                 let slot = &shared.peers[index];
-                let role_change = slot.relink_at_once.swap(false, Ordering::AcqRel)
+                let role_change = slot.relink_now.notified().now_or_never().is_some()
                     || slot.announced_primary.load(Ordering::Acquire);
                 redials_now.retain(|at| at.elapsed() < Duration::from_secs(1));
                 let redial_now = role_change
@@ -462,8 +462,6 @@ async fn dial_loop(shared: Arc<Shared>, index: usize, mut stop: watch::Receiver<
                     && redials_now.len() < MOST_REDIALS_NOW;
                 wait = if redial_now {
                     redials_now.push(tokio::time::Instant::now());
-                    // The wake-up that came with the flag is spent too.
-                    let _ = slot.relink_now.notified().now_or_never();
                     Duration::ZERO
                 } else {
                     relink
@@ -489,9 +487,7 @@ async fn dial_loop(shared: Arc<Shared>, index: usize, mut stop: watch::Receiver<
         tokio::select! {
             _ = stop.wait_for(|s| *s) => return,
             _ = tokio::time::sleep(wait) => {}
-            _ = slot.relink_now.notified() => {
-                slot.relink_at_once.store(false, Ordering::Release);
-            }
+            _ = slot.relink_now.notified() => {}
         }
     }
 }

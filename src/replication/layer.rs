@@ -687,7 +687,10 @@ impl Shared {
             for (offset, length) in in_flight {
                 meta.mark_out_of_sync(slot.index, offset, length);
             }
-            for extent in meta.logged_extents().to_vec() {
+            // Writes it acknowledged may still be in its volatile cache until a barrier
+            // covers them. Those a barrier made durable there are not marked: a link that
+            // dropped for a moment made the next pass compare the whole log, up to 1 GiB.
+            for extent in meta.unflushed_extents() {
                 meta.mark_out_of_sync(slot.index, extent * EXTENT_SIZE, EXTENT_SIZE);
             }
             warn!(peer = %slot.config.name, "peer lost ({why}): going on degraded, {} bytes out of sync", meta.out_of_sync_bytes(slot.index));
@@ -714,10 +717,11 @@ impl Shared {
         } else if conn.plan == Plan::Target && !self.stopping.load(Ordering::Acquire) {
             // The primary is gone, maybe with writes in flight that reached this node and
             // not another (or the other way round): whichever node is promoted next must
-            // resync the extents those writes may touch with every other node.
-            for extent in meta.logged_extents().to_vec() {
-                meta.mark_out_of_sync_for_all(extent * EXTENT_SIZE, EXTENT_SIZE);
-            }
+            // resync the extents those writes may touch with every other node. Not those
+            // a barrier made durable everywhere: after a clean demotion (which flushes)
+            // that is all of them, where marking the whole log made the next primary
+            // compare up to 1 GiB after every switchover (review, session 71).
+            meta.mark_unflushed_out_of_sync();
             warn!(peer = %slot.config.name, "primary lost ({why}): {} bytes of its recent writes marked for resync with every node", meta.out_of_sync_bytes_for_any());
         } else {
             info!(peer = %slot.config.name, "peer disconnected ({why})");
@@ -1597,9 +1601,9 @@ impl Shared {
     }
 
     /// Closes the metadata cleanly (bitmap written, clean flag set). A secondary first
-    /// marks the extents in its activity log out of sync with every peer: they hold writes
-    /// of its primary that no barrier has covered, which may have reached this node and
-    /// not another. When the link to the primary ends the marking is done too, but not
+    /// marks the extents of its activity log that hold writes of its primary no barrier
+    /// has covered everywhere out of sync with every peer: those writes may have reached
+    /// this node and not another. When the link to the primary ends the marking is done too, but not
     /// when this node is stopping, and a primary that vanished (no FIN, no reset) is not
     /// noticed before the stop: a clean close then kept no record of those extents, a
     /// write that reached only this node stayed only here, and two nodes later linked as
@@ -1607,15 +1611,9 @@ impl Shared {
     pub fn close(&self) {
         let mut meta = self.meta();
         if !self.is_primary() {
-            let logged = meta.logged_extents().to_vec();
-            for &extent in &logged {
-                meta.mark_out_of_sync_for_all(extent * EXTENT_SIZE, EXTENT_SIZE);
-            }
-            if !logged.is_empty() {
-                info!(
-                    "{} extents of the primary's last writes marked for resync with every node",
-                    logged.len()
-                );
+            let marked = meta.mark_unflushed_out_of_sync();
+            if marked > 0 {
+                info!("{marked} extents of the primary's last writes marked for resync with every node");
             }
         }
         if let Err(e) = meta.set_clean(true) {

@@ -892,20 +892,28 @@ impl Metadata {
         self.flushed_below = self.flushed_below.max(generation + 1);
     }
 
-    /// A local flush failed: the writes no completed flush covers may be lost here while
-    /// the peers hold them. Marks their extents (those with writes in flight, or written
-    /// since the last completed flush) out of sync for every peer, as a restart after an
-    /// unclean stop would, so the next resync makes the replicas agree. Answers how many
-    /// extents it marked.
+    /// Marks out of sync for every peer the extents that no flush completed everywhere
+    /// covers (those with writes in flight, or written since the last such flush), and
+    /// answers how many it marked. Used where those writes may be on some replicas and
+    /// not others: a local flush failed (they may be lost here while the peers hold
+    /// them), or a secondary's primary left (they may have reached this node and not
+    /// another). The extents whose writes a barrier made durable on every replica are
+    /// left unmarked, as their eviction from the log leaves them.
     pub fn mark_unflushed_out_of_sync(&mut self) -> usize {
-        let unflushed: Vec<u64> = (0..self.al_extents.len())
-            .filter(|&i| self.al_refs[i] > 0 || self.al_released[i] >= self.flushed_below)
-            .map(|i| self.al_extents[i])
-            .collect();
+        let unflushed = self.unflushed_extents();
         for extent in &unflushed {
             self.mark_out_of_sync_for_all(extent * EXTENT_SIZE, EXTENT_SIZE);
         }
         unflushed.len()
+    }
+
+    /// The logged extents that no flush completed everywhere covers: writes in flight
+    /// there, or finished since the last such flush began.
+    pub fn unflushed_extents(&self) -> Vec<u64> {
+        (0..self.al_extents.len())
+            .filter(|&i| self.al_refs[i] > 0 || self.al_released[i] >= self.flushed_below)
+            .map(|i| self.al_extents[i])
+            .collect()
     }
 
     /// Extents in the on-disk log.

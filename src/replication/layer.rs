@@ -191,6 +191,13 @@ pub struct Shared {
     /// demotion answered "demoted" too and recorded secondary under a primary (review,
     /// session 69).
     pub role_change: tokio::sync::Mutex<()>,
+    /// Orders a write's sends against a flush's barriers: a write goes to all its peers
+    /// under the shared side, a flush's barriers under the exclusive one, so each write
+    /// is on the same side of each barrier on every peer. Sent in turn unordered, a write
+    /// could reach beta before a barrier and gamma after it; `BarrierDone` then told beta
+    /// the write was durable everywhere, and had the primary died before gamma got it,
+    /// neither node marked its extent (re-review, session 72).
+    send_order: std::sync::RwLock<()>,
     /// Set after the final flush: connections ending now lose nothing.
     stopping: AtomicBool,
     next_seq: AtomicU64,
@@ -305,6 +312,7 @@ impl Shared {
             role_commanded: AtomicBool::new(false),
             data_confirmed: AtomicBool::new(false),
             role_change: tokio::sync::Mutex::new(()),
+            send_order: std::sync::RwLock::new(()),
             stopping: AtomicBool::new(false),
             next_seq: AtomicU64::new(1),
             next_epoch: AtomicU64::new(1),
@@ -721,8 +729,8 @@ impl Shared {
             // a barrier made durable everywhere: after a clean demotion (which flushes)
             // that is all of them, where marking the whole log made the next primary
             // compare up to 1 GiB after every switchover (review, session 71).
-            meta.mark_unflushed_out_of_sync();
-            warn!(peer = %slot.config.name, "primary lost ({why}): {} bytes of its recent writes marked for resync with every node", meta.out_of_sync_bytes_for_any());
+            let marked = meta.mark_unflushed_out_of_sync();
+            warn!(peer = %slot.config.name, "primary lost ({why}): {marked} extents of its recent writes marked for resync with every node");
         } else {
             info!(peer = %slot.config.name, "peer disconnected ({why})");
         }
@@ -946,6 +954,7 @@ impl Shared {
             Protocol::B => WaitKey::Received(seq),
             Protocol::A | Protocol::C => WaitKey::Seq(seq),
         };
+        let sending = self.send_order.read().unwrap_or_else(|e| e.into_inner());
         let waits: Vec<(Arc<PeerConn>, oneshot::Receiver<Message>)> = conns
             .into_iter()
             .map(|conn| {
@@ -953,6 +962,7 @@ impl Shared {
                 (conn, wait)
             })
             .collect();
+        drop(sending);
         // Created only now: the local write must not start before the log update. A
         // detached node has no local disk to write.
         let detached = self.is_detached();
@@ -1074,6 +1084,7 @@ impl Shared {
 
     /// A replicated flush: a barrier on every replicating peer and a local flush.
     pub async fn flush_all(&self) -> Result<(), BackendError> {
+        let barriers = self.send_order.write().unwrap_or_else(|e| e.into_inner());
         let generation = self.meta().begin_flush();
         let epoch = self.next_epoch.fetch_add(1, Ordering::Relaxed);
         // Only a primary has replicating connections (a demoted one until it reconnects).
@@ -1085,6 +1096,7 @@ impl Shared {
                 (conn, wait)
             })
             .collect();
+        drop(barriers);
         let detached = self.is_detached();
         let local = if detached {
             Ok(())

@@ -20,9 +20,10 @@
 //!   the client's FLUSH reply waits for the local flush and every such ack.
 //! - **Degraded.** A peer that sends nothing for `peer_timeout` while an answer is due,
 //!   or leaves one unanswered for `KO_COUNT` timeouts (or whose connection drops), is
-//!   disconnected; the write succeeds locally, its regions (and every extent in
-//!   the activity log, which may sit unflushed in the peer's cache) are set in the
-//!   out-of-sync bitmap, and the primary starts a new data generation.
+//!   disconnected; the write succeeds locally, its regions (and the extents of the
+//!   activity log written since the last barrier done on every replica, which may sit
+//!   unflushed in the peer's cache) are set in the out-of-sync bitmap, and the primary
+//!   starts a new data generation.
 //! - **Local disk errors.** On the primary a read error is served from an in-sync peer;
 //!   a write, trim, zeroing or flush that fails locally but was applied by an in-sync
 //!   peer (protocol C) detaches the local disk, and the node serves from its peers.

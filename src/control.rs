@@ -1,6 +1,6 @@
 //! The local control socket of a running server or replicated node (Unix, never on the
 //! network): one request line per connection, one JSON [`Reply`] line back.
-//! `netblk status|promote|demote|verify` are its clients. A replicated node answers
+//! `netblk status|promote|demote|verify|outdate` are its clients. A replicated node answers
 //! with its [`Status`] ([`crate::replication::control`]); a plain `netblk serve --control`
 //! answers `status` with its exports and clients ([`ServerStatus`], from
 //! [`crate::server::control`]).

@@ -80,6 +80,13 @@ enum Commands {
         #[command(flatten)]
         target: ControlTarget,
     },
+    /// Record a secondary cut off from its primary as outdated, so it is not promoted
+    /// without --force (what a fence_peer command runs on the peer it fences). Refused on
+    /// a primary and on a node linked to its primary.
+    Outdate {
+        #[command(flatten)]
+        target: ControlTarget,
+    },
 }
 
 /// Which node or server a control command talks to.
@@ -231,6 +238,7 @@ fn main() -> std::process::ExitCode {
         }
         Commands::Demote { target } => run_control_command(&target, "demote", false),
         Commands::Verify { target } => run_control_command(&target, "verify", false),
+        Commands::Outdate { target } => run_control_command(&target, "outdate", false),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -1460,6 +1460,11 @@ impl Drop for NsNode {
 /// Alpha (primary) in the first namespace and beta in the second, files under `dir`,
 /// once beta is in sync.
 fn pair_in_sync_in(ns: &Namespaces, dir: &Path) -> (NsNode, NsNode) {
+    pair_in_sync_in_with(ns, dir, "")
+}
+
+/// As [`pair_in_sync_in`], with `resource_lines` added to the `[resource]` table.
+fn pair_in_sync_in_with(ns: &Namespaces, dir: &Path, resource_lines: &str) -> (NsNode, NsNode) {
     let nodes = [
         NodeSpec {
             name: "alpha",
@@ -1473,6 +1478,11 @@ fn pair_in_sync_in(ns: &Namespaces, dir: &Path) -> (NsNode, NsNode) {
         },
     ];
     let config = resource_file(dir, "r0", &nodes);
+    edit_resource(
+        &config,
+        "[resource]\n",
+        &format!("[resource]\n{resource_lines}\n"),
+    );
     let primary = NsNode::start(&ns.names[0], &config, "alpha", true, dir.join("a.log"));
     let secondary = NsNode::start(&ns.names[1], &config, "beta", false, dir.join("b.log"));
     wait_for_log(
@@ -1482,6 +1492,82 @@ fn pair_in_sync_in(ns: &Namespaces, dir: &Path) -> (NsNode, NsNode) {
         1,
     );
     (primary, secondary)
+}
+
+/// Fencing end to end (DRBD's fence-peer handler): the link between the namespaces is
+/// cut, and the primary's next write waits while the resource's `fence_peer` command runs
+/// `netblk outdate` on beta (through beta's control socket, a path both namespaces see;
+/// it retries while beta has not yet noticed the cut). The write is acknowledged once beta
+/// is outdated, and beta refuses `promote` without `--force`: a cluster manager that
+/// promoted it now could not make the split brain in which the primary's writes would be
+/// dropped. When the link returns, beta is resynced and up to date again.
+#[test]
+fn a_cut_off_secondary_is_outdated_by_the_fence_peer_command_before_writes_go_on() {
+    if !have("qemu-io") {
+        return;
+    }
+    let Some(ns) = Namespaces::create("f") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("r0.toml");
+    let fence = dir.path().join("fence.sh");
+    std::fs::write(
+        &fence,
+        format!(
+            "echo \"fencing $NETBLK_PEER\" >> {log}\nfor i in $(seq 50); do\n  {bin} outdate --config {config} --node \"$NETBLK_PEER\" >> {log} 2>&1 && exit 0\n  sleep 0.2\ndone\nexit 1\n",
+            log = dir.path().join("fence.log").display(),
+            bin = env!("CARGO_BIN_EXE_netblk"),
+            config = config.display(),
+        ),
+    )
+    .unwrap();
+    let (primary, secondary) = pair_in_sync_in_with(
+        &ns,
+        dir.path(),
+        &format!("fence_peer = \"sh {}\"", fence.display()),
+    );
+    let write = |pattern: &str| {
+        Command::new("ip")
+            .args(["netns", "exec", &ns.names[0], "qemu-io", "-f", "raw"])
+            .args(["-c", &format!("write -P {pattern} 0 64k"), "-c", "flush"])
+            .arg("nbd://10.231.0.1:10809")
+            .output()
+            .unwrap()
+    };
+    let out = write("0x11");
+    assert!(out.status.success(), "{out:?}");
+    let fence_log = || std::fs::read_to_string(dir.path().join("fence.log")).unwrap_or_default();
+    assert!(fence_log().is_empty(), "fenced with every peer linked");
+    run(Command::new("ip").args(["-n", &ns.names[0], "link", "set", &ns.veths[0], "down"]));
+    let out = write("0x22");
+    assert!(
+        out.status.success(),
+        "the write after the fencing failed: {out:?}\n{}\nfence log: {}",
+        primary.stderr(),
+        fence_log()
+    );
+    assert!(fence_log().contains("fencing beta"), "{}", fence_log());
+    let status = status_json(&config, "beta");
+    assert_eq!(status["status"]["disk"], "Outdated", "{status}");
+    let refused = netblk(&["promote", "--node", "beta"], &config);
+    assert!(!refused.status.success(), "promoted while outdated");
+    assert!(
+        String::from_utf8_lossy(&refused.stdout).contains("Outdated")
+            || String::from_utf8_lossy(&refused.stderr).contains("Outdated"),
+        "{refused:?}"
+    );
+    run(Command::new("ip").args(["-n", &ns.names[0], "link", "set", &ns.veths[0], "up"]));
+    wait_for_log(
+        "secondary",
+        || secondary.stderr(),
+        "in sync with the primary",
+        2,
+    );
+    let status = status_json(&config, "beta");
+    assert_eq!(status["status"]["disk"], "UpToDate", "{status}");
+    primary.stop();
+    secondary.stop();
 }
 
 #[test]

@@ -83,6 +83,7 @@ struct RawResource {
     peer_timeout: Option<String>,
     resync_rate: Option<String>,
     size: Option<String>,
+    fence_peer: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -123,6 +124,10 @@ pub struct ResourceConfig {
     pub resync_rate: u64,
     /// Size to create missing backing files with.
     pub size: Option<u64>,
+    /// A command (run by `/bin/sh -c`) that fences a peer: a primary runs it before it
+    /// acknowledges a write or flush without that peer, and acknowledges nothing without
+    /// the peer until it exits 0 (see `Shared::fence_missing_peers`).
+    pub fence_peer: Option<String>,
     pub nodes: Vec<NodeConfig>,
 }
 
@@ -180,6 +185,17 @@ impl ResourceConfig {
             Some(text) => Some(parse_size(text).map_err(|e| invalid("resource.size", e))?),
             None => None,
         };
+        if raw
+            .resource
+            .fence_peer
+            .as_deref()
+            .is_some_and(|c| c.trim().is_empty())
+        {
+            return Err(invalid(
+                "resource.fence_peer",
+                "the command is empty (leave the key out for no fencing)".into(),
+            ));
+        }
         if raw.nodes.len() < 2 || raw.nodes.len() > MAX_NODES {
             return Err(invalid(
                 "node",
@@ -280,6 +296,7 @@ impl ResourceConfig {
             peer_timeout,
             resync_rate,
             size,
+            fence_peer: raw.resource.fence_peer,
             nodes,
         })
     }
@@ -377,6 +394,24 @@ mod tests {
         assert_eq!(peers, ["beta"]);
         let missing = config.node("gamma").unwrap_err();
         assert!(missing.contains("alpha, beta"), "{missing}");
+        assert_eq!(config.fence_peer, None, "no fencing unless asked");
+    }
+
+    #[test]
+    fn a_fence_peer_command_is_kept_and_an_empty_one_refused() {
+        let with =
+            |line: &str| TWO_NODES.replace("size = \"1G\"", &format!("size = \"1G\"\n{line}"));
+        let config = ResourceConfig::parse(
+            &with("fence_peer = \"/usr/local/sbin/fence %p\""),
+            "r0.toml",
+        )
+        .unwrap();
+        assert_eq!(
+            config.fence_peer.as_deref(),
+            Some("/usr/local/sbin/fence %p")
+        );
+        let e = ResourceConfig::parse(&with("fence_peer = \"  \""), "r0.toml").unwrap_err();
+        assert!(e.to_string().contains("resource.fence_peer"), "{e}");
     }
 
     /// The README's example, as an operator copies it: one file for hosts whose paths

@@ -1,5 +1,5 @@
 //! What a replicated node answers on its control socket ([`crate::control`]): `status`,
-//! `promote`, `promote --force`, `demote` and `verify`, each answered with the node's
+//! `promote`, `promote --force`, `demote`, `verify` and `outdate`, each answered with the node's
 //! [`Status`].
 
 use std::path::PathBuf;
@@ -236,6 +236,43 @@ impl Shared {
     /// Regions that differ are marked out of sync and the peer is reconnected, which
     /// resyncs them. Answers how many regions differed and with which peers it compared;
     /// an error when no peer could be compared.
+    /// `netblk outdate`, what a `fence_peer` command runs on the peer it fences (DRBD's
+    /// `drbdadm outdate`): a secondary cut off from its primary records its data as
+    /// outdated, so that it is not promoted without `--force` while the primary goes on
+    /// writing without it. Refused on a primary, and on a node linked to one (its data
+    /// is kept current); a primary's next link with the node makes it up to date again.
+    pub fn outdate(&self) -> Result<String, String> {
+        // Under the metadata lock, as a promotion's checks and a link's installation.
+        let mut meta = self.meta();
+        if self.is_primary() || meta.superblock().primary {
+            return Err("this node is primary: its data is the current data".into());
+        }
+        for slot in &self.peers {
+            let conn = slot.conn.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            if conn.is_some_and(|c| c.plan == Plan::Target) {
+                return Err(format!(
+                    "peer {} is this node's primary and keeps its data current",
+                    slot.config.name
+                ));
+            }
+        }
+        match meta.superblock().disk {
+            DiskState::UpToDate => {
+                meta.update(|sb| sb.disk = DiskState::Outdated)
+                    .map_err(|e| format!("recording the disk as outdated: {e}"))?;
+                warn!("outdated by an operator or a fence_peer command: promote needs --force until a primary brings this node up to date");
+                Ok(
+                    "outdated: promote needs --force until a primary brings this node up to date"
+                        .into(),
+                )
+            }
+            DiskState::Outdated => Ok("already outdated".into()),
+            DiskState::Inconsistent => Ok(
+                "inconsistent (in or after a resync): already not promoted without --force".into(),
+            ),
+        }
+    }
+
     pub async fn verify(&self) -> Result<String, String> {
         if !self.is_primary() {
             return Err("verify runs on the primary".into());
@@ -368,8 +405,12 @@ async fn answer(shared: &Shared, request: &str) -> Reply {
             done(result)
         }
         ["verify"] => done(shared.verify().await),
+        ["outdate"] => {
+            let _role = shared.role_change.lock().await;
+            done(shared.outdate())
+        }
         _ => done(Err(format!(
-            "unknown request {request:?} (status, promote [--force], demote, verify)"
+            "unknown request {request:?} (status, promote [--force], demote, verify, outdate)"
         ))),
     }
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::{oneshot, watch, Notify};
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use super::config::{NodeConfig, Protocol, ResourceConfig};
 use super::generation::{random_generation, SyncDecision, JUST_CREATED};
@@ -131,9 +131,22 @@ pub struct PeerSlot {
     /// that wait had begun, and a promotion here then found the peer half a second away
     /// (re-review, session 71).
     pub relink_now: Notify,
+    /// Links with this peer installed so far (see [`Self::fenced_for`]).
+    links_made: AtomicU64,
+    /// `links_made + 1` as it was when the `fence_peer` handler last fenced this peer:
+    /// fenced since its last link ended while it still equals `links_made + 1`.
+    fenced_for: AtomicU64,
+    /// Serialises the handler's runs for this peer, and keeps the last failure (when, and
+    /// why) so that writes do not run it again at once.
+    fencing: tokio::sync::Mutex<Option<(std::time::Instant, String)>>,
 }
 
 impl PeerSlot {
+    /// Whether the `fence_peer` handler fenced this peer since its last link ended.
+    fn fenced(&self) -> bool {
+        self.fenced_for.load(Ordering::Acquire) == self.links_made.load(Ordering::Acquire) + 1
+    }
+
     /// Whether a link with this peer is up (its hello done).
     pub fn linked(&self) -> bool {
         self.conn
@@ -299,6 +312,9 @@ impl Shared {
                 link_ended: Mutex::new(None),
                 expected_back: AtomicBool::new(false),
                 relink_now: Notify::new(),
+                links_made: AtomicU64::new(0),
+                fenced_for: AtomicU64::new(0),
+                fencing: tokio::sync::Mutex::new(None),
             })
             .collect();
         Ok(Arc::new(Shared {
@@ -782,6 +798,8 @@ impl Shared {
         }
         *current = Some(conn);
         *slot.refused.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        // A fencing of the peer holds only until it links again.
+        slot.links_made.fetch_add(1, Ordering::AcqRel);
         self.links_changed.send_modify(|n| *n += 1);
         Ok(())
     }
@@ -954,6 +972,7 @@ impl Shared {
             Protocol::B => WaitKey::Received(seq),
             Protocol::A | Protocol::C => WaitKey::Seq(seq),
         };
+        let without_a_peer = conns.len() < self.peers.len();
         let sending = self.send_order.read().unwrap_or_else(|e| e.into_inner());
         let waits: Vec<(Arc<PeerConn>, oneshot::Receiver<Message>)> = conns
             .into_iter()
@@ -982,6 +1001,9 @@ impl Shared {
         if lost_peer {
             self.check_degraded_is_recorded(op, offset, length)?;
         }
+        if without_a_peer || lost_peer {
+            self.fence_missing_peers(op, offset, length).await?;
+        }
         self.local_outcome(
             op,
             offset,
@@ -990,6 +1012,66 @@ impl Shared {
             local_result,
             applied_by_synced_peer,
         )
+    }
+
+    /// With `fence_peer` set in the resource file (DRBD's fence-peer handler): before a
+    /// write or flush is acknowledged without a peer, that peer is fenced, by running the
+    /// command with `NETBLK_RESOURCE`, `NETBLK_NODE`, `NETBLK_PEER` and
+    /// `NETBLK_PEER_ADDRESS` in its environment. Exit 0 says the peer can no longer take
+    /// over (outdated with `netblk outdate`, or powered off); until then the request
+    /// waits, and if the command fails (or runs past [`FENCE_TIMEOUT`]) it fails with
+    /// EIO, as every such request does for [`FENCE_RETRY`] before the command runs again.
+    /// Without fencing, a primary cut off from a secondary that a cluster manager then
+    /// promoted acknowledged writes that the split brain's resolution drops. A fencing
+    /// holds until the peer links again. Nothing is run while every peer takes writes.
+    async fn fence_missing_peers(
+        &self,
+        op: &'static str,
+        offset: u64,
+        length: u64,
+    ) -> Result<(), BackendError> {
+        let Some(command) = self.resource.fence_peer.as_deref() else {
+            return Ok(());
+        };
+        let refused = |why: &str| {
+            BackendError::because(op, offset, length, NbdError::Io, format_args!("{why}"))
+        };
+        for slot in &self.peers {
+            if slot.fenced() || slot.replicating_conn().is_some() {
+                continue;
+            }
+            let mut last_failure = slot.fencing.lock().await;
+            if slot.fenced() || slot.replicating_conn().is_some() {
+                continue;
+            }
+            if let Some((at, why)) = last_failure.as_ref() {
+                if at.elapsed() < FENCE_RETRY {
+                    return Err(refused(why));
+                }
+            }
+            let links_made = slot.links_made.load(Ordering::Acquire);
+            warn!(peer = %slot.config.name, "going on without the peer: fencing it first (fence_peer)");
+            match run_fence_peer(command, &self.resource.name, &self.node, &slot.config).await {
+                Ok(()) => {
+                    slot.fenced_for.store(links_made + 1, Ordering::Release);
+                    *last_failure = None;
+                    warn!(peer = %slot.config.name, "peer fenced: writes go on without it");
+                }
+                Err(e) => {
+                    let why = format!(
+                        "peer {} could not be fenced ({e}): nothing is acknowledged without it",
+                        slot.config.name
+                    );
+                    error!(
+                        "{why}; the fence_peer command runs again in {}s, or the peer links again",
+                        FENCE_RETRY.as_secs()
+                    );
+                    *last_failure = Some((std::time::Instant::now(), why.clone()));
+                    return Err(refused(&why));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// A peer was lost while this write waited for it: it may be acknowledged without
@@ -1097,6 +1179,7 @@ impl Shared {
             })
             .collect();
         drop(barriers);
+        let sent_barriers = !waits.is_empty();
         let detached = self.is_detached();
         let local = if detached {
             Ok(())
@@ -1115,6 +1198,11 @@ impl Shared {
         }
         if lost_peer {
             self.check_degraded_is_recorded("flush", 0, 0)?;
+        }
+        // A secondary's own FLUSH (its read-only export) speaks for no peer.
+        let writing = self.is_primary() || sent_barriers;
+        if writing && (lost_peer || flushed.len() < self.peers.len()) {
+            self.fence_missing_peers("flush", 0, 0).await?;
         }
         let flushed_by_synced_peer = flushed.iter().any(|c| c.synced.load(Ordering::Acquire));
         let local = self.local_outcome("flush", 0, 0, detached, local, flushed_by_synced_peer);
@@ -2003,6 +2091,56 @@ impl Drop for RangeGuard<'_> {
             .remove(&self.id);
         self.locks.released.notify_waiters();
     }
+}
+
+/// How long the `fence_peer` command may run before it counts as failed (and is killed).
+const FENCE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// After the `fence_peer` command failed, requests that need it fail at once for this
+/// long before it runs again.
+const FENCE_RETRY: Duration = Duration::from_secs(1);
+
+/// Runs the `fence_peer` command for `peer`: `Ok` on exit 0, else what went wrong, with
+/// the end of what it printed.
+async fn run_fence_peer(
+    command: &str,
+    resource: &str,
+    node: &str,
+    peer: &NodeConfig,
+) -> Result<(), String> {
+    let child = tokio::process::Command::new("/bin/sh")
+        .arg("-c")
+        .arg(command)
+        .env("NETBLK_RESOURCE", resource)
+        .env("NETBLK_NODE", node)
+        .env("NETBLK_PEER", &peer.name)
+        .env("NETBLK_PEER_ADDRESS", peer.replication.to_string())
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .output();
+    let output = match tokio::time::timeout(FENCE_TIMEOUT, child).await {
+        Err(_) => {
+            return Err(format!(
+                "fence_peer ran past {}s and was killed",
+                FENCE_TIMEOUT.as_secs()
+            ))
+        }
+        Ok(Err(e)) => return Err(format!("fence_peer could not run: {e}")),
+        Ok(Ok(output)) => output,
+    };
+    if output.status.success() {
+        return Ok(());
+    }
+    let printed = String::from_utf8_lossy(&output.stderr);
+    let printed = printed.trim();
+    // The last 200 characters (not bytes: a cut inside a character would panic).
+    let skip = printed.chars().count().saturating_sub(200);
+    let tail: String = printed.chars().skip(skip).collect();
+    Err(if tail.is_empty() {
+        format!("fence_peer {}", output.status)
+    } else {
+        format!("fence_peer {}: {tail}", output.status)
+    })
 }
 
 /// The most a single replicated operation spans: a quarter of the activity log, so that a

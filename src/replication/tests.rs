@@ -172,14 +172,15 @@ async fn cluster(
     pair
 }
 
-/// As [`cluster`], returning as soon as every node runs, before the first resync is done.
-async fn cluster_started(
+/// As [`cluster_started`], with `resource_lines` added to the `[resource]` table.
+async fn cluster_started_with(
     protocol: &str,
     nodes: usize,
     primary_local: Arc<dyn Backend>,
     resync_rate: &str,
     running: usize,
     first_secondary_local: Option<Arc<dyn Backend>>,
+    resource_lines: &str,
 ) -> Pair {
     let dir = tempfile::tempdir().unwrap();
     let mut listeners = Vec::new();
@@ -188,7 +189,7 @@ async fn cluster_started(
     }
     let names = &["alpha", "beta", "gamma"][..nodes];
     let mut text =
-        format!("[resource]\nname = \"t\"\nprotocol = \"{protocol}\"\npeer_timeout = \"2s\"\nresync_rate = \"{resync_rate}\"\n");
+        format!("[resource]\nname = \"t\"\nprotocol = \"{protocol}\"\npeer_timeout = \"2s\"\nresync_rate = \"{resync_rate}\"\n{resource_lines}\n");
     for (name, listener) in names.iter().zip(&listeners) {
         text.push_str(&format!(
             "[[node]]\nname = \"{name}\"\nreplication = \"{}\"\nlisten = \"unix:{dir}/{name}.sock\"\nbacking = \"memory:8M\"\nmetadata = \"{dir}/{name}.meta\"\n",
@@ -232,6 +233,27 @@ async fn cluster_started(
         stop: Stops(stops),
         _dir: dir,
     }
+}
+
+/// As [`cluster`], returning as soon as every node runs, before the first resync is done.
+async fn cluster_started(
+    protocol: &str,
+    nodes: usize,
+    primary_local: Arc<dyn Backend>,
+    resync_rate: &str,
+    running: usize,
+    first_secondary_local: Option<Arc<dyn Backend>>,
+) -> Pair {
+    cluster_started_with(
+        protocol,
+        nodes,
+        primary_local,
+        resync_rate,
+        running,
+        first_secondary_local,
+        "",
+    )
+    .await
 }
 
 fn pattern(seed: u8, len: usize) -> Bytes {
@@ -1655,4 +1677,185 @@ async fn replicated_writes_one_at_a_time_never_wait_on_a_tcp_timer() {
         times.len()
     );
     let _ = pair.stop.send(true);
+}
+
+/// A pair in sync whose resource file fences with `script` (a shell script), and the
+/// directory holding the script and the log it may write (`$DIR/fence.log`).
+async fn fenced_pair(script: &str) -> (Pair, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("fence.sh");
+    std::fs::write(
+        &path,
+        script.replace("$DIR", &dir.path().display().to_string()),
+    )
+    .unwrap();
+    let line = format!("fence_peer = \"sh {}\"", path.display());
+    let pair = cluster_started_with(
+        "C",
+        2,
+        Arc::new(MemoryBackend::new(SIZE, false)),
+        "1G",
+        2,
+        None,
+        &line,
+    )
+    .await;
+    wait_until("the secondary is in sync", || {
+        pair.secondary.status().disk == "UpToDate" && pair.primary.status().peers[0].replicating
+    })
+    .await;
+    (pair, dir)
+}
+
+fn fence_log(dir: &tempfile::TempDir) -> Vec<String> {
+    std::fs::read_to_string(dir.path().join("fence.log"))
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+/// With `fence_peer` set, nothing is acknowledged without a peer before the command has
+/// fenced it (DRBD's fence-peer handler): the command runs once, with the resource, the
+/// node and the peer in its environment, and then writes and flushes go on degraded
+/// without running it again. While every peer takes writes it never runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_without_a_peer_is_acknowledged_only_after_the_peer_is_fenced() {
+    let (pair, dir) = fenced_pair(
+        "echo \"$NETBLK_RESOURCE $NETBLK_NODE fences $NETBLK_PEER at $NETBLK_PEER_ADDRESS\" >> $DIR/fence.log\n",
+    )
+    .await;
+    let backend = pair.primary_backend();
+    backend
+        .write(0, pattern(1, 4096).into(), false)
+        .await
+        .unwrap();
+    backend.flush().await.unwrap();
+    assert!(fence_log(&dir).is_empty(), "run with every peer linked");
+    pair.stop.0[1].send(true).unwrap();
+    pair.primary.drop_connections();
+    wait_until("the primary sees the link gone", || {
+        !pair.primary.status().peers[0].connected
+    })
+    .await;
+    backend
+        .write(65536, pattern(2, 4096).into(), false)
+        .await
+        .unwrap();
+    let log = fence_log(&dir);
+    let address = pair.primary.peers[0].config.replication;
+    assert_eq!(log, [format!("t alpha fences beta at {address}")]);
+    backend
+        .write(131072, pattern(3, 4096).into(), true)
+        .await
+        .unwrap();
+    backend.flush().await.unwrap();
+    assert_eq!(
+        fence_log(&dir).len(),
+        1,
+        "fenced once until the peer links again"
+    );
+    let _ = pair.stop.send(true);
+}
+
+/// A `fence_peer` command that fails fails the write (EIO, with what the command said),
+/// and every write for a second after it without running it again; then it runs again,
+/// and once it succeeds writes go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_fence_fails_the_write_and_is_tried_again_a_second_later() {
+    let (pair, dir) = fenced_pair(
+        "echo run >> $DIR/fence.log\n[ -e $DIR/reachable ] || { echo beta does not answer >&2; exit 3; }\n",
+    )
+    .await;
+    pair.stop.0[1].send(true).unwrap();
+    pair.primary.drop_connections();
+    wait_until("the primary sees the link gone", || {
+        !pair.primary.status().peers[0].connected
+    })
+    .await;
+    let backend = pair.primary_backend();
+    let error = backend
+        .write(0, pattern(1, 4096).into(), false)
+        .await
+        .expect_err("acknowledged without a fenced peer");
+    assert_eq!(error.errno, NbdError::Io);
+    let text = error.to_string();
+    assert!(
+        text.contains("could not be fenced") && text.contains("beta does not answer"),
+        "{text}"
+    );
+    assert!(backend.flush().await.is_err());
+    assert_eq!(fence_log(&dir).len(), 1, "run again at once");
+    std::fs::write(dir.path().join("reachable"), "").unwrap();
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    backend
+        .write(0, pattern(1, 4096).into(), false)
+        .await
+        .unwrap();
+    assert_eq!(fence_log(&dir).len(), 2);
+    let _ = pair.stop.send(true);
+}
+
+/// A fencing holds only until the peer links again: lost a second time, it is fenced
+/// again before a write goes on without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_linked_again_is_fenced_again_at_its_next_loss() {
+    let (pair, dir) = fenced_pair("echo run >> $DIR/fence.log\n").await;
+    let backend = pair.primary_backend();
+    for round in 1..=2 {
+        pair.primary.drop_connections();
+        wait_until("the primary sees the link gone", || {
+            !pair.primary.status().peers[0].connected
+        })
+        .await;
+        backend
+            .write(0, pattern(round, 4096).into(), false)
+            .await
+            .unwrap();
+        assert_eq!(fence_log(&dir).len(), usize::from(round));
+        wait_until("the peer is back in sync", || {
+            let peer = &pair.primary.status().peers[0];
+            peer.replicating && peer.out_of_sync_bytes == 0
+        })
+        .await;
+    }
+    let _ = pair.stop.send(true);
+}
+
+/// `netblk outdate` (what a fence_peer command runs on the fenced peer): refused on a
+/// primary and on a secondary linked to its primary; on a secondary cut off from it, the
+/// disk is recorded outdated and promote needs --force. A primary's next link with the
+/// node brings it up to date again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outdate_marks_a_cut_off_secondary_so_promote_needs_force() {
+    let trio = trio("1G").await;
+    let (beta, gamma) = (&trio.secondaries[0], &trio.secondaries[1]);
+    let refused = trio.primary.outdate().unwrap_err();
+    assert!(refused.contains("primary"), "{refused}");
+    let refused = beta.outdate().unwrap_err();
+    assert!(refused.contains("alpha"), "{refused}");
+    trio.primary.stop();
+    let _ = trio.stop.0[0].send(true);
+    wait_until("beta sees its primary gone", || {
+        !beta
+            .status()
+            .peers
+            .iter()
+            .any(|p| p.name == "alpha" && p.connected)
+    })
+    .await;
+    let said = beta.outdate().unwrap();
+    assert!(said.starts_with("outdated"), "{said}");
+    assert_eq!(beta.status().disk, "Outdated");
+    assert_eq!(beta.outdate().unwrap(), "already outdated");
+    let refused = beta.promote(false).unwrap_err();
+    assert!(refused.contains("Outdated"), "{refused}");
+    // Gamma, not outdated, is promoted, and its link with beta brings beta up to date.
+    assert!(gamma.promote(false).unwrap());
+    gamma.announce_primary_and_reconnect();
+    wait_until("beta is up to date again", || {
+        beta.status().disk == "UpToDate"
+    })
+    .await;
+    let _ = trio.stop.send(true);
 }

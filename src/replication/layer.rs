@@ -206,7 +206,9 @@ pub struct Shared {
     pub role_change: tokio::sync::Mutex<()>,
     /// Orders a write's sends against a flush's barriers: a write goes to all its peers
     /// under the shared side, a flush's barriers under the exclusive one, so each write
-    /// is on the same side of each barrier on every peer. Sent in turn unordered, a write
+    /// is on the same side of each barrier on every peer (the barriers of `flush_all`,
+    /// which `BarrierDone` follows; a resync pass's barriers go to its one target and
+    /// are never followed by one). Sent in turn unordered, a write
     /// could reach beta before a barrier and gamma after it; `BarrierDone` then told beta
     /// the write was durable everywhere, and had the primary died before gamma got it,
     /// neither node marked its extent (re-review, session 72).
@@ -671,8 +673,9 @@ impl Shared {
     }
 
     /// A peer connection ended: everything it may have missed is marked out of sync
-    /// (its unacknowledged writes, and every hot extent, since acknowledged writes can
-    /// still sit in its volatile cache), and it leaves its slot.
+    /// (its unacknowledged writes, and the hot extents no barrier done on every replica
+    /// covers, since acknowledged writes can still sit in its volatile cache until one
+    /// does), and it leaves its slot.
     pub fn peer_lost(&self, slot: &PeerSlot, conn: &Arc<PeerConn>, why: &str) {
         let mut meta = self.meta();
         let mut current = slot.conn.lock().unwrap_or_else(|e| e.into_inner());
@@ -746,7 +749,12 @@ impl Shared {
             // that is all of them, where marking the whole log made the next primary
             // compare up to 1 GiB after every switchover (review, session 71).
             let marked = meta.mark_unflushed_out_of_sync();
-            warn!(peer = %slot.config.name, "primary lost ({why}): {marked} extents of its recent writes marked for resync with every node");
+            if marked > 0 {
+                warn!(peer = %slot.config.name, "primary lost ({why}): {marked} extents of its recent writes marked for resync with every node");
+            } else {
+                // A clean demotion flushed everything first: nothing is in doubt.
+                info!(peer = %slot.config.name, "primary lost ({why}): none of its writes is in doubt");
+            }
         } else {
             info!(peer = %slot.config.name, "peer disconnected ({why})");
         }
@@ -1166,8 +1174,11 @@ impl Shared {
 
     /// A replicated flush: a barrier on every replicating peer and a local flush.
     pub async fn flush_all(&self) -> Result<(), BackendError> {
-        let barriers = self.send_order.write().unwrap_or_else(|e| e.into_inner());
+        // Before the exclusive side, so that no write waits behind the metadata lock
+        // for it: a write released in between is stamped a generation later, which only
+        // keeps its extent in doubt longer.
         let generation = self.meta().begin_flush();
+        let barriers = self.send_order.write().unwrap_or_else(|e| e.into_inner());
         let epoch = self.next_epoch.fetch_add(1, Ordering::Relaxed);
         // Only a primary has replicating connections (a demoted one until it reconnects).
         let waits: Vec<_> = self

@@ -88,6 +88,9 @@ pub struct PeerStatus {
     /// Why the last link with this peer ended, while it is disconnected.
     #[serde(default)]
     pub lost: Option<String>,
+    /// The resource's `fence_peer` command fenced this peer since its last link ended.
+    #[serde(default)]
+    pub fenced: bool,
 }
 
 impl PeerStatus {
@@ -169,6 +172,7 @@ impl Shared {
                         .is_none()
                         .then(|| slot.lost.lock().unwrap_or_else(|e| e.into_inner()).clone())
                         .flatten(),
+                    fenced: slot.fenced(),
                 }
             })
             .collect();
@@ -464,6 +468,9 @@ pub fn render(status: &Status) -> String {
             text.push_str(&format!(" (refused: {why})"));
         } else if let Some(why) = &peer.lost {
             text.push_str(&format!(" (link lost: {why})"));
+        }
+        if peer.fenced {
+            text.push_str(", fenced");
         }
         text.push_str(&format!(", {} bytes out of sync", peer.out_of_sync_bytes));
         if peer.replicating {

@@ -143,7 +143,7 @@ pub struct PeerSlot {
 
 impl PeerSlot {
     /// Whether the `fence_peer` handler fenced this peer since its last link ended.
-    fn fenced(&self) -> bool {
+    pub fn fenced(&self) -> bool {
         self.fenced_for.load(Ordering::Acquire) == self.links_made.load(Ordering::Acquire) + 1
     }
 

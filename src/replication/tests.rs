@@ -1745,6 +1745,11 @@ async fn a_write_without_a_peer_is_acknowledged_only_after_the_peer_is_fenced() 
     let log = fence_log(&dir);
     let address = pair.primary.peers[0].config.replication;
     assert_eq!(log, [format!("t alpha fences beta at {address}")]);
+    let status = pair.primary.status();
+    assert!(status.peers[0].fenced, "{status:?}");
+    let text = super::control::render(&status);
+    assert!(text.contains("disconnected (link lost: "), "{text}");
+    assert!(text.contains(", fenced"), "{text}");
     backend
         .write(131072, pattern(3, 4096).into(), true)
         .await
@@ -1818,6 +1823,10 @@ async fn a_peer_that_linked_again_is_fenced_again_at_its_next_loss() {
             peer.replicating && peer.out_of_sync_bytes == 0
         })
         .await;
+        assert!(
+            !pair.primary.status().peers[0].fenced,
+            "fenced while linked"
+        );
     }
     let _ = pair.stop.send(true);
 }

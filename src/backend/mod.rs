@@ -769,6 +769,14 @@ pub trait Backend: Send + Sync + 'static {
     }
     /// Makes every completed write durable.
     fn flush(&self) -> BackendFuture<'_, ()>;
+
+    /// The flush of a server's stop, which no client's request waits for: a FLUSH, but a
+    /// replicated backend leaves out what only a client's acknowledgement needs (fencing
+    /// a peer it goes without).
+    fn final_flush(&self) -> BackendFuture<'_, ()> {
+        self.flush()
+    }
+
     /// The error every FLUSH fails with from now on, once a sync failed and data the
     /// kernel had accepted may be lost (a file export: see `backend::file`); `None` while
     /// FLUSH can still succeed. Lets a node's status say so, not only its log.

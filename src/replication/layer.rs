@@ -136,9 +136,9 @@ pub struct PeerSlot {
     /// `links_made + 1` as it was when the `fence_peer` handler last fenced this peer:
     /// fenced since its last link ended while it still equals `links_made + 1`.
     fenced_for: AtomicU64,
-    /// Serialises the handler's runs for this peer, and keeps the last failure (when, and
-    /// why) so that writes do not run it again at once.
-    fencing: tokio::sync::Mutex<Option<(std::time::Instant, String)>>,
+    /// Serialises the handler's runs for this peer, and keeps the last failure (when,
+    /// why, and `links_made` then) so that writes do not run it again at once.
+    fencing: tokio::sync::Mutex<Option<(std::time::Instant, String, u64)>>,
 }
 
 impl PeerSlot {
@@ -1052,12 +1052,16 @@ impl Shared {
             if slot.fenced() || slot.replicating_conn().is_some() {
                 continue;
             }
-            if let Some((at, why)) = last_failure.as_ref() {
+            let links_made = slot.links_made.load(Ordering::Acquire);
+            // A failure before the peer's last link says nothing of this loss.
+            if let Some((at, why, _)) = last_failure
+                .as_ref()
+                .filter(|(_, _, then)| *then == links_made)
+            {
                 if at.elapsed() < FENCE_RETRY {
                     return Err(refused(why));
                 }
             }
-            let links_made = slot.links_made.load(Ordering::Acquire);
             warn!(peer = %slot.config.name, "going on without the peer: fencing it first (fence_peer)");
             match run_fence_peer(command, &self.resource.name, &self.node, &slot.config).await {
                 Ok(()) => {
@@ -1074,7 +1078,7 @@ impl Shared {
                         "{why}; the fence_peer command runs again in {}s, or the peer links again",
                         FENCE_RETRY.as_secs()
                     );
-                    *last_failure = Some((std::time::Instant::now(), why.clone()));
+                    *last_failure = Some((std::time::Instant::now(), why.clone(), links_made));
                     return Err(refused(&why));
                 }
             }
@@ -1172,8 +1176,22 @@ impl Shared {
         false
     }
 
-    /// A replicated flush: a barrier on every replicating peer and a local flush.
+    /// A replicated flush no client waits for (a demotion's, the activity log's, the
+    /// server's last at a stop): a barrier on every replicating peer and a local flush.
     pub async fn flush_all(&self) -> Result<(), BackendError> {
+        self.replicated_flush(false).await
+    }
+
+    /// A client's FLUSH: [`Self::flush_all`], and with `fence_peer` set, every peer it
+    /// goes without is fenced before it is acknowledged. Internal flushes answer no
+    /// client: fencing there ran the command at every stop of a primary with a peer away
+    /// (with a power-off command, a needless power-off) and failed the stop's flush when
+    /// it could not (re-review, session 72).
+    pub async fn flush_for_client(&self) -> Result<(), BackendError> {
+        self.replicated_flush(true).await
+    }
+
+    async fn replicated_flush(&self, for_a_client: bool) -> Result<(), BackendError> {
         // Before the exclusive side, so that no write waits behind the metadata lock
         // for it: a write released in between is stamped a generation later, which only
         // keeps its extent in doubt longer.
@@ -1212,7 +1230,7 @@ impl Shared {
         }
         // A secondary's own FLUSH (its read-only export) speaks for no peer.
         let writing = self.is_primary() || sent_barriers;
-        if writing && (lost_peer || flushed.len() < self.peers.len()) {
+        if for_a_client && writing && (lost_peer || flushed.len() < self.peers.len()) {
             self.fence_missing_peers("flush", 0, 0).await?;
         }
         let flushed_by_synced_peer = flushed.iter().any(|c| c.synced.load(Ordering::Acquire));
@@ -1963,6 +1981,10 @@ impl Backend for ReplicatedBackend {
     }
 
     fn flush(&self) -> BackendFuture<'_, ()> {
+        backend_future(self.shared.flush_for_client())
+    }
+
+    fn final_flush(&self) -> BackendFuture<'_, ()> {
         backend_future(self.shared.flush_all())
     }
 
@@ -2111,15 +2133,21 @@ const FENCE_TIMEOUT: Duration = Duration::from_secs(60);
 /// long before it runs again.
 const FENCE_RETRY: Duration = Duration::from_secs(1);
 
+/// How much of the end of what the `fence_peer` command prints to stderr is kept.
+const FENCE_STDERR_KEPT: usize = 4096;
+
 /// Runs the `fence_peer` command for `peer`: `Ok` on exit 0, else what went wrong, with
-/// the end of what it printed.
+/// the end of what it printed to stderr. Its exit decides, not the end of its output: a
+/// command that leaves a process running (`cmd &`, an ssh master) may keep its pipes open
+/// long after it exited 0, which took its whole 60 s (re-review, session 72). It runs in
+/// a process group of its own, all of which is killed at the timeout; stdout is not read.
 async fn run_fence_peer(
     command: &str,
     resource: &str,
     node: &str,
     peer: &NodeConfig,
 ) -> Result<(), String> {
-    let child = tokio::process::Command::new("/bin/sh")
+    let mut child = tokio::process::Command::new("/bin/sh")
         .arg("-c")
         .arg(command)
         .env("NETBLK_RESOURCE", resource)
@@ -2127,30 +2155,63 @@ async fn run_fence_peer(
         .env("NETBLK_PEER", &peer.name)
         .env("NETBLK_PEER_ADDRESS", peer.replication.to_string())
         .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .process_group(0)
         .kill_on_drop(true)
-        .output();
-    let output = match tokio::time::timeout(FENCE_TIMEOUT, child).await {
+        .spawn()
+        .map_err(|e| format!("fence_peer could not run: {e}"))?;
+    let group = child
+        .id()
+        .and_then(|id| rustix::process::Pid::from_raw(id as i32));
+    // The last FENCE_STDERR_KEPT bytes it printed, read beside the wait.
+    let printed = Arc::new(Mutex::new(Vec::new()));
+    let reader = child.stderr.take().map(|mut stderr| {
+        let printed = Arc::clone(&printed);
+        tokio::spawn(async move {
+            use tokio::io::AsyncReadExt;
+            let mut chunk = [0u8; 1024];
+            while let Ok(n @ 1..) = stderr.read(&mut chunk).await {
+                let mut kept = printed.lock().unwrap_or_else(|e| e.into_inner());
+                kept.extend_from_slice(&chunk[..n]);
+                let excess = kept.len().saturating_sub(FENCE_STDERR_KEPT);
+                kept.drain(..excess);
+            }
+        })
+    });
+    let status = match tokio::time::timeout(FENCE_TIMEOUT, child.wait()).await {
+        Ok(Ok(status)) => Ok(status),
+        Ok(Err(e)) => Err(format!("waiting for fence_peer: {e}")),
         Err(_) => {
-            return Err(format!(
+            if let Some(group) = group {
+                let _ = rustix::process::kill_process_group(group, rustix::process::Signal::Kill);
+            }
+            let _ = child.wait().await;
+            Err(format!(
                 "fence_peer ran past {}s and was killed",
                 FENCE_TIMEOUT.as_secs()
             ))
         }
-        Ok(Err(e)) => return Err(format!("fence_peer could not run: {e}")),
-        Ok(Ok(output)) => output,
     };
-    if output.status.success() {
+    if let Some(reader) = reader {
+        // What it printed before it exited is in the pipe already; a process it left
+        // running may hold the pipe open, so this waits only a moment for the end.
+        let _ = tokio::time::timeout(Duration::from_millis(100), reader).await;
+    }
+    let status = status?;
+    if status.success() {
         return Ok(());
     }
-    let printed = String::from_utf8_lossy(&output.stderr);
+    let printed = printed.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let printed = String::from_utf8_lossy(&printed);
     let printed = printed.trim();
     // The last 200 characters (not bytes: a cut inside a character would panic).
     let skip = printed.chars().count().saturating_sub(200);
     let tail: String = printed.chars().skip(skip).collect();
     Err(if tail.is_empty() {
-        format!("fence_peer {}", output.status)
+        format!("fence_peer {status}")
     } else {
-        format!("fence_peer {}: {tail}", output.status)
+        format!("fence_peer {status}: {tail}")
     })
 }
 

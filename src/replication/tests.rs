@@ -1868,3 +1868,53 @@ async fn outdate_marks_a_cut_off_secondary_so_promote_needs_force() {
     .await;
     let _ = trio.stop.send(true);
 }
+
+/// The command's exit decides, not the end of its output: a command that leaves a process
+/// running with its stderr (`cmd &`, an ssh master) held every write for its whole 60 s
+/// timeout and then failed it, though it had exited 0 at once (re-review, session 72).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fence_command_that_leaves_a_process_running_counts_at_its_exit() {
+    let (pair, dir) = fenced_pair("sleep 5 &\necho run >> $DIR/fence.log\n").await;
+    pair.stop.0[1].send(true).unwrap();
+    pair.primary.drop_connections();
+    wait_until("the primary sees the link gone", || {
+        !pair.primary.status().peers[0].connected
+    })
+    .await;
+    let started = std::time::Instant::now();
+    pair.primary_backend()
+        .write(0, pattern(1, 4096).into(), false)
+        .await
+        .unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "the write waited {:?} for the command's background process",
+        started.elapsed()
+    );
+    assert_eq!(fence_log(&dir).len(), 1);
+    let _ = pair.stop.send(true);
+}
+
+/// Flushes no client waits for (a server's last flush at its stop, a demotion's) do not
+/// fence: at every stop of a primary with a peer away the command ran (with a power-off
+/// command, a needless power-off), and when it failed the stop logged its flush failed
+/// (re-review, session 72).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_or_a_demotion_does_not_run_the_fence_command() {
+    let (pair, dir) = fenced_pair("echo run >> $DIR/fence.log\nexit 1\n").await;
+    let backend = pair.primary_backend();
+    backend
+        .write(0, pattern(1, 4096).into(), false)
+        .await
+        .unwrap();
+    pair.stop.0[1].send(true).unwrap();
+    pair.primary.drop_connections();
+    wait_until("the primary sees the link gone", || {
+        !pair.primary.status().peers[0].connected
+    })
+    .await;
+    backend.final_flush().await.unwrap();
+    pair.primary.demote().await.unwrap();
+    assert!(fence_log(&dir).is_empty(), "{:?}", fence_log(&dir));
+    let _ = pair.stop.send(true);
+}

@@ -188,7 +188,7 @@ pub async fn serve_on(
     let _ = alive_rx.recv().await;
     let mut unflushed = Vec::new();
     for export in &config.exports {
-        if let Err(e) = export.backend.flush().await {
+        if let Err(e) = export.backend.final_flush().await {
             error!(export = %export.name, "final flush failed: {e}");
             unflushed.push(format!("{:?}", export.name));
         }

@@ -449,12 +449,7 @@ async fn a_degraded_write_still_running_at_the_reconnect_reaches_the_secondary()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_does_not_relink_after_a_promotion_holds_writes_only_briefly() {
     let pair = pair("C", Arc::new(MemoryBackend::new(SIZE, false))).await;
-    pair.stop.0[1].send(true).unwrap();
-    pair.primary.drop_connections();
-    wait_until("the primary sees the link gone", || {
-        !pair.primary.status().peers[0].connected
-    })
-    .await;
+    stop_the_secondary(&pair).await;
     pair.primary.demote().await.unwrap();
     assert!(pair.primary.promote(true).unwrap());
     pair.primary.announce_primary_and_reconnect();
@@ -562,6 +557,17 @@ async fn a_local_read_error_is_served_by_the_peer_and_rewritten_locally() {
     let local = bad.read(0, 65536).await.expect("rewritten locally");
     assert_eq!(local.bytes(), data);
     let _ = pair.stop.send(true);
+}
+
+/// Stops the (first) secondary, as a kill would, and waits until the primary sees the link
+/// gone.
+async fn stop_the_secondary(pair: &Pair) {
+    pair.stop.0[1].send(true).unwrap();
+    pair.primary.drop_connections();
+    wait_until("the primary sees the link gone", || {
+        !pair.primary.status().peers[0].connected
+    })
+    .await;
 }
 
 /// Waits up to 20 s for `done`, polling; panics naming `what` otherwise.
@@ -976,12 +982,7 @@ async fn a_lost_peer_is_marked_only_for_the_writes_since_the_last_barrier() {
         .write(6 << 20, pattern(6, 4096).into(), false)
         .await
         .unwrap();
-    pair.stop.0[1].send(true).unwrap();
-    pair.primary.drop_connections();
-    wait_until("the primary sees the link gone", || {
-        !pair.primary.status().peers[0].connected
-    })
-    .await;
+    stop_the_secondary(&pair).await;
     assert_eq!(pair.primary.status().peers[0].out_of_sync_bytes, 4 << 20);
     let _ = pair.stop.send(true);
 }
@@ -1732,12 +1733,7 @@ async fn a_write_without_a_peer_is_acknowledged_only_after_the_peer_is_fenced() 
         .unwrap();
     backend.flush().await.unwrap();
     assert!(fence_log(&dir).is_empty(), "run with every peer linked");
-    pair.stop.0[1].send(true).unwrap();
-    pair.primary.drop_connections();
-    wait_until("the primary sees the link gone", || {
-        !pair.primary.status().peers[0].connected
-    })
-    .await;
+    stop_the_secondary(&pair).await;
     backend
         .write(65536, pattern(2, 4096).into(), false)
         .await
@@ -1772,12 +1768,7 @@ async fn a_failed_fence_fails_the_write_and_is_tried_again_a_second_later() {
         "echo run >> $DIR/fence.log\n[ -e $DIR/reachable ] || { echo beta does not answer >&2; exit 3; }\n",
     )
     .await;
-    pair.stop.0[1].send(true).unwrap();
-    pair.primary.drop_connections();
-    wait_until("the primary sees the link gone", || {
-        !pair.primary.status().peers[0].connected
-    })
-    .await;
+    stop_the_secondary(&pair).await;
     let backend = pair.primary_backend();
     let error = backend
         .write(0, pattern(1, 4096).into(), false)
@@ -1875,12 +1866,7 @@ async fn outdate_marks_a_cut_off_secondary_so_promote_needs_force() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fence_command_that_leaves_a_process_running_counts_at_its_exit() {
     let (pair, dir) = fenced_pair("sleep 5 &\necho run >> $DIR/fence.log\n").await;
-    pair.stop.0[1].send(true).unwrap();
-    pair.primary.drop_connections();
-    wait_until("the primary sees the link gone", || {
-        !pair.primary.status().peers[0].connected
-    })
-    .await;
+    stop_the_secondary(&pair).await;
     let started = std::time::Instant::now();
     pair.primary_backend()
         .write(0, pattern(1, 4096).into(), false)
@@ -1907,12 +1893,7 @@ async fn a_stop_or_a_demotion_does_not_run_the_fence_command() {
         .write(0, pattern(1, 4096).into(), false)
         .await
         .unwrap();
-    pair.stop.0[1].send(true).unwrap();
-    pair.primary.drop_connections();
-    wait_until("the primary sees the link gone", || {
-        !pair.primary.status().peers[0].connected
-    })
-    .await;
+    stop_the_secondary(&pair).await;
     backend.final_flush().await.unwrap();
     pair.primary.demote().await.unwrap();
     assert!(fence_log(&dir).is_empty(), "{:?}", fence_log(&dir));

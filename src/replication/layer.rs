@@ -1044,12 +1044,24 @@ impl Shared {
         let refused = |why: &str| {
             BackendError::because(op, offset, length, NbdError::Io, format_args!("{why}"))
         };
+        // A peer linked again since the request chose its peers missed it, but needs no
+        // fencing once it has sent its bitmap: it recorded its disk as outdated (or
+        // inconsistent) first, and is not promoted without force until its pass ends.
+        // Before that it might not be: a link the primary installed while the peer never
+        // got the primary's hello left it up to date, and skipping every linked peer let
+        // a write go unfenced (review, session 72). The wait is the pass's own.
+        let needs_no_fence = |slot: &PeerSlot| {
+            slot.fenced() || slot.replicating_conn().is_some_and(|c| c.sent_bitmap())
+        };
         for slot in &self.peers {
-            if slot.fenced() || slot.replicating_conn().is_some() {
+            if needs_no_fence(slot) {
                 continue;
             }
+            if let Some(conn) = slot.replicating_conn() {
+                let _ = conn.wait_peer_bitmap(self.resource.peer_timeout).await;
+            }
             let mut last_failure = slot.fencing.lock().await;
-            if slot.fenced() || slot.replicating_conn().is_some() {
+            if needs_no_fence(slot) {
                 continue;
             }
             let links_made = slot.links_made.load(Ordering::Acquire);

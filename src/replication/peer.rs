@@ -235,6 +235,13 @@ impl PeerConn {
             .unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Whether the peer (a resync target) has sent its whole bitmap: it recorded its disk
+    /// as outdated or inconsistent before, so it is not promoted without force until its
+    /// pass ends.
+    pub fn sent_bitmap(&self) -> bool {
+        *self.peer_bitmap_done.borrow()
+    }
+
     /// Waits until the peer has sent its whole bitmap, up to `timeout`.
     pub async fn wait_peer_bitmap(&self, timeout: Duration) -> Result<(), String> {
         let mut done = self.peer_bitmap_done.subscribe();

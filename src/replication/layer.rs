@@ -1081,6 +1081,11 @@ impl Shared {
                     *last_failure = None;
                     warn!(peer = %slot.config.name, "peer fenced: writes go on without it");
                 }
+                // Linked again meanwhile (the command's `netblk outdate` is then refused):
+                // the peer will have the request from its pass.
+                Err(e) if needs_no_fence(slot) => {
+                    info!(peer = %slot.config.name, "the peer linked again while it was being fenced ({e})");
+                }
                 Err(e) => {
                     let why = format!(
                         "peer {} could not be fenced ({e}): nothing is acknowledged without it",
@@ -1204,6 +1209,14 @@ impl Shared {
     }
 
     async fn replicated_flush(&self, for_a_client: bool) -> Result<(), BackendError> {
+        if for_a_client {
+            // As a write does: after a promotion the peers relink in the new role within
+            // milliseconds. A FLUSH in that gap went without them, and with fencing set
+            // ran the command against the healthy old primary; `netblk outdate` there was
+            // refused once it had relinked, and the FLUSH failed with EIO after 10 s
+            // (re-review, session 72).
+            self.wait_for_relinks().await;
+        }
         // Before the exclusive side, so that no write waits behind the metadata lock
         // for it: a write released in between is stamped a generation later, which only
         // keeps its extent in doubt longer.
@@ -2220,6 +2233,8 @@ async fn run_fence_peer(
     // The last 200 characters (not bytes: a cut inside a character would panic).
     let skip = printed.chars().count().saturating_sub(200);
     let tail: String = printed.chars().skip(skip).collect();
+    // One log line: its lines joined.
+    let tail = tail.lines().collect::<Vec<_>>().join(" / ");
     Err(if tail.is_empty() {
         format!("fence_peer {status}")
     } else {

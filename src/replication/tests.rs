@@ -1902,3 +1902,28 @@ async fn a_stop_or_a_demotion_does_not_run_the_fence_command() {
     assert!(fence_log(&dir).is_empty(), "{:?}", fence_log(&dir));
     let _ = pair.stop.send(true);
 }
+
+/// A client's FLUSH right after a switchover waits for the old primary to relink, as a
+/// write does: it went without it, and with fencing set ran the command against a
+/// healthy peer (whose `netblk outdate` was refused once it relinked), failing the FLUSH
+/// with EIO after 10 s (re-review, session 72).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flush_right_after_a_switchover_waits_for_the_relink_and_fences_nobody() {
+    let (pair, dir) = fenced_pair("echo run >> $DIR/fence.log\nexit 1\n").await;
+    let (alpha, beta) = (&pair.primary, &pair.secondary);
+    alpha.demote().await.unwrap();
+    alpha.drop_connections();
+    wait_until("both secondaries, connected again", || {
+        alpha.status().peers[0].link == "idle" && beta.status().peers[0].link == "idle"
+    })
+    .await;
+    assert_eq!(beta.promote(false), Ok(true));
+    beta.announce_primary_and_reconnect();
+    let beta_backend = ReplicatedBackend {
+        shared: Arc::clone(beta),
+    };
+    beta_backend.flush().await.unwrap();
+    assert!(fence_log(&dir).is_empty(), "{:?}", fence_log(&dir));
+    assert!(beta.status().peers[0].replicating);
+    let _ = pair.stop.send(true);
+}

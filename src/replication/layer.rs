@@ -1058,7 +1058,11 @@ impl Shared {
                 continue;
             }
             if let Some(conn) = slot.replicating_conn() {
-                let _ = conn.wait_peer_bitmap(self.resource.peer_timeout).await;
+                // Or until that link ends: a newer one is then checked below.
+                tokio::select! {
+                    _ = conn.wait_peer_bitmap(self.resource.peer_timeout) => {}
+                    () = conn.wait_closed() => {}
+                }
             }
             let mut last_failure = slot.fencing.lock().await;
             if needs_no_fence(slot) {
@@ -1233,7 +1237,6 @@ impl Shared {
             })
             .collect();
         drop(barriers);
-        let sent_barriers = !waits.is_empty();
         let detached = self.is_detached();
         let local = if detached {
             Ok(())
@@ -1253,9 +1256,12 @@ impl Shared {
         if lost_peer {
             self.check_degraded_is_recorded("flush", 0, 0)?;
         }
-        // A secondary's own FLUSH (its read-only export) speaks for no peer.
-        let writing = self.is_primary() || sent_barriers;
-        if for_a_client && writing && (lost_peer || flushed.len() < self.peers.len()) {
+        // Only a primary's FLUSH fences. A secondary's own (its read-only export) speaks
+        // for no peer; and one that finds its node demoted meanwhile fenced both peers
+        // after the demotion dropped the links itself (the healthy one too; re-review,
+        // session 72): the demotion's own flush covers every linked peer, and a peer
+        // that was away was fenced by the first write that went without it.
+        if for_a_client && self.is_primary() && (lost_peer || flushed.len() < self.peers.len()) {
             self.fence_missing_peers("flush", 0, 0).await?;
         }
         let flushed_by_synced_peer = flushed.iter().any(|c| c.synced.load(Ordering::Acquire));

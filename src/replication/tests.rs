@@ -1686,6 +1686,11 @@ async fn replicated_writes_one_at_a_time_never_wait_on_a_tcp_timer() {
 /// A pair in sync whose resource file fences with `script` (a shell script), and the
 /// directory holding the script and the log it may write (`$DIR/fence.log`).
 async fn fenced_pair(script: &str) -> (Pair, tempfile::TempDir) {
+    fenced_cluster(2, script).await
+}
+
+/// As [`fenced_pair`], with `nodes` nodes (2 or 3), every secondary in sync.
+async fn fenced_cluster(nodes: usize, script: &str) -> (Pair, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("fence.sh");
     std::fs::write(
@@ -1696,16 +1701,19 @@ async fn fenced_pair(script: &str) -> (Pair, tempfile::TempDir) {
     let line = format!("fence_peer = \"sh {}\"", path.display());
     let pair = cluster_started_with(
         "C",
-        2,
+        nodes,
         Arc::new(MemoryBackend::new(SIZE, false)),
         "1G",
-        2,
+        nodes,
         None,
         &line,
     )
     .await;
-    wait_until("the secondary is in sync", || {
-        pair.secondary.status().disk == "UpToDate" && pair.primary.status().peers[0].replicating
+    wait_until("the secondaries are in sync", || {
+        pair.secondaries
+            .iter()
+            .all(|s| s.status().disk == "UpToDate")
+            && pair.primary.status().peers.iter().all(|p| p.replicating)
     })
     .await;
     (pair, dir)
@@ -1926,4 +1934,34 @@ async fn a_flush_right_after_a_switchover_waits_for_the_relink_and_fences_nobody
     assert!(fence_log(&dir).is_empty(), "{:?}", fence_log(&dir));
     assert!(beta.status().peers[0].replicating);
     let _ = pair.stop.send(true);
+}
+
+/// A client FLUSH that a demotion overtakes fences nobody: woken from its wait for
+/// relinks by the demotion, it went on as the primary it no longer was, and fenced the
+/// peers the demotion's own relinking dropped, a healthy one too (final re-review,
+/// session 72: both other nodes left Outdated).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flush_overtaken_by_a_demotion_fences_nobody() {
+    let (trio, dir) = fenced_cluster(3, "echo \"$NETBLK_PEER\" >> $DIR/fence.log\n").await;
+    let alpha = Arc::clone(&trio.primary);
+    // Gamma is gone, so after a promotion a FLUSH waits for it to relink (2 s).
+    trio.stop.0[2].send(true).unwrap();
+    alpha.drop_connections();
+    wait_until("alpha sees gamma gone, and beta back", || {
+        let peers = alpha.status().peers;
+        !peers[1].connected && peers[0].replicating
+    })
+    .await;
+    alpha.demote().await.unwrap();
+    assert!(alpha.promote(true).unwrap());
+    alpha.announce_primary_and_reconnect();
+    let flushing = Arc::clone(&alpha);
+    let flush = tokio::spawn(async move { ReplicatedBackend { shared: flushing }.flush().await });
+    wait_until("beta relinked", || alpha.status().peers[0].replicating).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    alpha.demote().await.unwrap();
+    alpha.relink_all();
+    flush.await.unwrap().unwrap();
+    assert!(fence_log(&dir).is_empty(), "{:?}", fence_log(&dir));
+    let _ = trio.stop.send(true);
 }

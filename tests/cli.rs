@@ -818,6 +818,10 @@ h.connect_tcp(*addr.split(":"))
 h.pwrite(b"x" * 4096, 0)
 host, port = addr.split(":")
 silent = socket.create_connection((host, int(port)))
+# Connected is not yet accepted: the server's greeting says it has taken the client
+# (without it, status could run first and list one client; session 72's clean clone).
+silent.settimeout(10)
+assert silent.recv(8), "no greeting"
 print(subprocess.run([netblk, "status", "--control", control, "--json"],
                      check=True, capture_output=True, text=True).stdout)
 "#;

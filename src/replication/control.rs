@@ -252,8 +252,7 @@ impl Shared {
             return Err("this node is primary: its data is the current data".into());
         }
         for slot in &self.peers {
-            let conn = slot.conn.lock().unwrap_or_else(|e| e.into_inner()).clone();
-            if conn.is_some_and(|c| c.plan == Plan::Target) {
+            if slot.is_this_nodes_primary() {
                 return Err(format!(
                     "peer {} is this node's primary and keeps its data current",
                     slot.config.name

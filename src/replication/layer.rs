@@ -155,6 +155,15 @@ impl PeerSlot {
             .is_some()
     }
 
+    /// Whether this peer is this node's primary: linked, with this node its resync target.
+    pub fn is_this_nodes_primary(&self) -> bool {
+        self.conn
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .is_some_and(|c| c.plan == Plan::Target)
+    }
+
     /// The link with this peer, if it takes writes.
     fn replicating_conn(&self) -> Option<Arc<PeerConn>> {
         let conn = self.conn.lock().unwrap_or_else(|e| e.into_inner());
@@ -477,8 +486,7 @@ impl Shared {
         // Under the metadata lock, as `install`: a primary's hello is either installed
         // before this check (and refuses it) or refused by `install` after it.
         for slot in &self.peers {
-            let conn = slot.conn.lock().unwrap_or_else(|e| e.into_inner()).clone();
-            if conn.as_ref().is_some_and(|c| c.plan == Plan::Target) {
+            if slot.is_this_nodes_primary() {
                 return Err(format!(
                     "peer {} is primary: demote it first",
                     slot.config.name

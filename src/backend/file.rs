@@ -89,6 +89,13 @@ pub struct FileBackend {
     /// Non-blocking page-cache reads tried, for tests that count them.
     #[cfg(test)]
     nowait_tries: AtomicU64,
+    /// A test's device that says it takes no discards, or discards only whole granules
+    /// of this many bytes (0: what sysfs says). Every loop device here discards, by 512
+    /// bytes, and the VM's own disk is not a test's to touch.
+    #[cfg(test)]
+    pretend_no_discard: AtomicBool,
+    #[cfg(test)]
+    pretend_discard_granularity: AtomicU64,
 }
 
 /// Write-behind for writeback mode: after every [`WRITE_BEHIND`] bytes written into the page
@@ -504,6 +511,10 @@ impl FileBackend {
             behind: Arc::new(WriteBehind::new()),
             #[cfg(test)]
             nowait_tries: AtomicU64::new(0),
+            #[cfg(test)]
+            pretend_no_discard: AtomicBool::new(false),
+            #[cfg(test)]
+            pretend_discard_granularity: AtomicU64::new(0),
         })
     }
 
@@ -546,6 +557,65 @@ impl FileBackend {
             .ok()
             .and_then(|stat| queue_attribute(stat.st_rdev, "write_zeroes_max_bytes"))
             .is_some_and(|bytes| bytes > 0)
+    }
+
+    /// Whether the device takes discards (`queue/discard_max_bytes` above 0 in sysfs).
+    fn device_discards(&self) -> bool {
+        #[cfg(test)]
+        if self.pretend_no_discard.load(Ordering::Relaxed) {
+            return false;
+        }
+        rustix::fs::fstat(&*self.file)
+            .ok()
+            .and_then(|stat| queue_attribute(stat.st_rdev, "discard_max_bytes"))
+            .is_some_and(|bytes| bytes > 0)
+    }
+
+    /// The smallest piece the device discards (`queue/discard_granularity`), at least a
+    /// block: a discard that covers only part of one may be ignored (a thin volume's
+    /// chunk, 64 KiB by default, keeps its data then).
+    fn discard_granule(&self) -> u64 {
+        #[cfg(test)]
+        match self.pretend_discard_granularity.load(Ordering::Relaxed) {
+            0 => {}
+            pretended => return pretended,
+        }
+        rustix::fs::fstat(&*self.file)
+            .ok()
+            .and_then(|stat| queue_attribute(stat.st_rdev, "discard_granularity"))
+            .unwrap_or(0)
+            .max(self.fallocate_block)
+    }
+
+    /// Discards `start..end` (whole blocks: `fallocate_range`) of a device with
+    /// BLKDISCARD, or punches it out of a file. `Ok(false)` where the store cannot
+    /// (EOPNOTSUPP): it keeps the data then.
+    async fn discard_blocks(
+        &self,
+        op: &'static str,
+        offset: u64,
+        length: u64,
+        start: u64,
+        end: u64,
+    ) -> Result<bool, BackendError> {
+        let block_device = self.block_device;
+        self.blocking(op, offset, length, move |file| {
+            // On a device, a hole punch is a zeroing (a write-zeroes command, or
+            // EOPNOTSUPP without one): only BLKDISCARD discards (review, session 67: TRIM
+            // freed nothing on an SSD or thin volume).
+            let done = if block_device {
+                discard(file, start, end - start)
+            } else {
+                let flags = FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE;
+                rustix::fs::fallocate(file, flags, start, end - start)
+            };
+            match done {
+                Ok(()) => Ok(true),
+                Err(rustix::io::Errno::OPNOTSUPP) => Ok(false),
+                Err(e) => Err(errno(e)),
+            }
+        })
+        .await
     }
 
     /// A read within the export's size met the end of the data. The export's size is
@@ -1024,6 +1094,7 @@ impl Backend for FileBackend {
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             rotational: self.rotational,
+            zeroing_trim: !self.block_device || self.device_discards(),
             ..Capabilities::full_store(self.read_only)
         }
     }
@@ -1190,30 +1261,61 @@ impl Backend for FileBackend {
             if start == end {
                 return Ok(());
             }
-            let block_device = self.block_device;
+            // TRIM is advisory: a store that cannot discard keeps the data.
             let discarded = self
-                .blocking("trim", offset, length, move |file| {
-                    // On a device, a hole punch is a zeroing (a write-zeroes command, or
-                    // EOPNOTSUPP without one): only BLKDISCARD discards (review, session
-                    // 67: TRIM freed nothing on an SSD or thin volume).
-                    let done = if block_device {
-                        discard(file, start, end - start)
-                    } else {
-                        let flags = FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE;
-                        rustix::fs::fallocate(file, flags, start, end - start)
-                    };
-                    match done {
-                        Ok(()) => Ok(true),
-                        // TRIM is advisory: a store that cannot discard keeps the data.
-                        Err(rustix::io::Errno::OPNOTSUPP) => Ok(false),
-                        Err(e) => Err(errno(e)),
-                    }
-                })
+                .discard_blocks("trim", offset, length, start, end)
                 .await?;
             if discarded {
                 self.after_change("trim", offset, length, fua).await?;
             }
             Ok(())
+        })
+    }
+
+    /// A file punches a hole, as WRITE_ZEROES without NO_HOLE does. A device that takes
+    /// discards discards the whole granules of the range, trusted to read back as zeroes
+    /// after (as DRBD's default `discard-zeroes-if-aligned` trusts them), and has the rest
+    /// written as zeroes, so that its blocks are unmapped as a TRIM's would be: a zeroing
+    /// instead would make a thin LUN that does not read zeroes after an unmap allocate
+    /// them (SCSI WRITE SAME without UNMAP), and a disk with WRITE SAME but no discard
+    /// write every block of mkfs's whole-device discard. A device that does not discard
+    /// writes zeroes (a replicated export there does not offer TRIM), as does a device
+    /// that refuses a discard after all.
+    fn trim_to_zeroes(&self, offset: u64, length: u64, fua: bool) -> BackendFuture<'_, ()> {
+        let zeroing = ZeroFlags {
+            may_trim: true,
+            fast: false,
+            fua,
+        };
+        if !self.block_device || !self.device_discards() {
+            return self.write_zeroes(offset, length, zeroing);
+        }
+        backend_future(async move {
+            let granule = self.discard_granule();
+            let range_end = offset + length;
+            let start = offset.next_multiple_of(granule).min(range_end);
+            let end = (range_end - range_end % granule).max(start);
+            if start < end {
+                let held = self.lock_shared(start, end - start).await;
+                let discarded = self
+                    .discard_blocks("trim", offset, length, start, end)
+                    .await?;
+                drop(held);
+                if !discarded {
+                    return self.write_zeroes(offset, length, zeroing).await;
+                }
+            }
+            // The partial granules at the ends, then one sync for all of it.
+            let unsynced = ZeroFlags {
+                fua: false,
+                ..zeroing
+            };
+            for (at, to) in [(offset, start), (end, range_end)] {
+                if at < to {
+                    self.write_zeroes(at, to - at, unsynced).await?;
+                }
+            }
+            self.after_change("trim", offset, length, fua).await
         })
     }
 
@@ -1484,6 +1586,118 @@ mod tests {
             let on_disk = std::fs::read(&path).unwrap();
             assert!(on_disk[..512].iter().all(|&x| x == 1), "{mode}");
             assert!(on_disk[8192..1 << 20].iter().all(|&x| x == 9), "{mode}");
+        }
+    }
+
+    /// Fills `b` with 0x5a from 0 to 1 MiB, then trims to zeroes an unaligned range in
+    /// it, which must read back as zeroes with every byte around it kept.
+    fn trim_to_zeroes_reads_back_zeroes(b: &FileBackend, what: &str) {
+        block_on(async {
+            b.write(0, Bytes::from(vec![0x5au8; 1 << 20]).into(), true)
+                .await
+                .unwrap();
+            b.trim_to_zeroes(1000, 300_000, true).await.unwrap();
+            let r = b.read(0, 1 << 20).await.unwrap().bytes();
+            assert!(r[..1000].iter().all(|&x| x == 0x5a), "{what}: before");
+            assert!(
+                r[1000..301_000].iter().all(|&x| x == 0),
+                "{what}: the range"
+            );
+            assert!(r[301_000..].iter().all(|&x| x == 0x5a), "{what}: after");
+        });
+    }
+
+    #[test]
+    fn a_trim_to_zeroes_leaves_zeroes_on_a_file() {
+        for mode in MODES {
+            let (_dir, _path, b) = new_export(4 << 20, Some(mode));
+            assert!(b.capabilities().zeroing_trim, "a file punches a hole");
+            trim_to_zeroes_reads_back_zeroes(&b, &format!("file, {mode}"));
+        }
+    }
+
+    /// Discard requests and sectors a block device completed so far (fields 12 and 14 of
+    /// its sysfs `stat`).
+    fn discards_done(device: &str) -> (u64, u64) {
+        let name = device.trim_start_matches("/dev/");
+        let stat = std::fs::read_to_string(format!("/sys/block/{name}/stat")).unwrap();
+        let field = |n: usize| {
+            stat.split_whitespace()
+                .nth(n)
+                .unwrap()
+                .parse::<u64>()
+                .unwrap()
+        };
+        (field(11), field(13))
+    }
+
+    /// A loop device over a 4 MiB file, detached on drop; `None` without root, losetup or
+    /// a free loop device.
+    struct LoopDevice {
+        path: String,
+        _dir: tempfile::TempDir,
+    }
+
+    impl LoopDevice {
+        fn attach() -> Option<LoopDevice> {
+            if !rustix::process::geteuid().is_root() {
+                return None;
+            }
+            let dir = tempfile::tempdir().unwrap();
+            let image = dir.path().join("device.img");
+            File::create(&image).unwrap().set_len(4 << 20).unwrap();
+            let out = std::process::Command::new("losetup")
+                .args(["-f", "--show"])
+                .arg(&image)
+                .output()
+                .ok()
+                .filter(|o| o.status.success())?;
+            let path = String::from_utf8(out.stdout).unwrap().trim().to_string();
+            Some(LoopDevice { path, _dir: dir })
+        }
+    }
+
+    impl Drop for LoopDevice {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("losetup")
+                .arg("-d")
+                .arg(&self.path)
+                .status();
+        }
+    }
+
+    /// On a device that discards, the whole granules of the range are discarded (not
+    /// zeroed: a thin volume gets its space back) and the partial ones written as zeroes;
+    /// on one that does not, the range is zeroed, and TRIM is not said to be cheap there.
+    #[test]
+    fn a_trim_to_zeroes_discards_whole_granules_of_a_device_and_zeroes_the_rest() {
+        let Some(device) = LoopDevice::attach() else {
+            eprintln!("skipped: needs root, losetup and a free loop device");
+            return;
+        };
+        let name = device.path.trim_start_matches("/dev/").to_string();
+        let sysfs = std::fs::read_to_string(format!("/sys/block/{name}/queue/discard_max_bytes"));
+        if sysfs.map_or(true, |max| max.trim() == "0") {
+            eprintln!("skipped: this loop device takes no discards");
+            return;
+        }
+        // (pretended granule, pretend no discard): the device's own, a thin volume's
+        // 64 KiB chunk, and a device without discard.
+        for (granule, no_discard) in [(0, false), (65536, false), (0, true)] {
+            let what = format!("granule {granule}, no discard {no_discard}");
+            let b = FileBackend::open(Path::new(&device.path), None, false, None).unwrap();
+            b.pretend_discard_granularity
+                .store(granule, Ordering::Relaxed);
+            b.pretend_no_discard.store(no_discard, Ordering::Relaxed);
+            assert_eq!(b.capabilities().zeroing_trim, !no_discard, "{what}");
+            let (requests, sectors) = discards_done(&device.path);
+            trim_to_zeroes_reads_back_zeroes(&b, &what);
+            let (requests_after, sectors_after) = discards_done(&device.path);
+            assert_eq!(requests_after > requests, !no_discard, "{what}");
+            if granule == 65536 {
+                // 1000..301000 holds the whole 64 KiB granules from 65536 to 262144.
+                assert_eq!((sectors_after - sectors) * 512, 262_144 - 65536, "{what}");
+            }
         }
     }
 

@@ -208,6 +208,10 @@ pub struct Capabilities {
     pub write_zeroes: bool,
     /// WRITE_ZEROES can answer quickly whether it will be fast.
     pub fast_zero: bool,
+    /// [`Backend::trim_to_zeroes`] costs about what a TRIM does: it writes zeroes by hand
+    /// at most for the partial blocks (or a device's discard granules) at the range's
+    /// ends. A replicated export offers TRIM only where this holds (`replication::layer`).
+    pub zeroing_trim: bool,
     pub cache: bool,
     /// FLUSH and FUA on one connection are visible to every connection.
     pub multi_conn: bool,
@@ -226,6 +230,7 @@ impl Capabilities {
             trim: true,
             write_zeroes: true,
             fast_zero: true,
+            zeroing_trim: true,
             cache: true,
             multi_conn: true,
             rotational: false,
@@ -787,6 +792,19 @@ pub trait Backend: Send + Sync + 'static {
     fn trim(&self, offset: u64, length: u64, fua: bool) -> BackendFuture<'_, ()>;
     /// Makes a range read as zeroes.
     fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> BackendFuture<'_, ()>;
+    /// A TRIM after which the range reads as zeroes: the store may deallocate it, as a
+    /// TRIM lets it, but may not leave old or unknown bytes (a plain TRIM may). Each node
+    /// of a replicated export applies a client's TRIM this way, so that they all hold the
+    /// same bytes after it. Where [`Capabilities::zeroing_trim`] does not hold it may
+    /// write the zeroes.
+    fn trim_to_zeroes(&self, offset: u64, length: u64, fua: bool) -> BackendFuture<'_, ()> {
+        let flags = ZeroFlags {
+            may_trim: true,
+            fast: false,
+            fua,
+        };
+        self.write_zeroes(offset, length, flags)
+    }
     /// A hint that a range will be read soon.
     fn cache(&self, offset: u64, length: u64) -> BackendFuture<'_, ()>;
     /// Allocation state from `offset`, covering at least one byte and at most about
@@ -1159,6 +1177,7 @@ mod tests {
             trim: false,
             write_zeroes: true,
             fast_zero: true,
+            zeroing_trim: true,
             cache: true,
             multi_conn: true,
             rotational: false,

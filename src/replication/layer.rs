@@ -1941,6 +1941,9 @@ impl Backend for ReplicatedBackend {
         // FLUSH is a replicated barrier: always offer it.
         caps.flush = true;
         caps.fast_zero = false;
+        // A TRIM leaves zeroes on every node (see `trim`): offered only where that costs
+        // about what a discard does, not on a device that would write its zeroes by hand.
+        caps.trim &= caps.zeroing_trim;
         caps
     }
 
@@ -2027,13 +2030,19 @@ impl Backend for ReplicatedBackend {
         backend_future(self.shared.flush_all())
     }
 
+    /// Every node applies a TRIM as [`Backend::trim_to_zeroes`], not as a plain TRIM.
+    /// What a discarded range reads back as is the store's choice: a file's hole and a
+    /// memory export's released pages read as zeroes, a device's discard may leave old
+    /// bytes or others, and leaves the partial blocks at the ends of the range. Nodes on
+    /// different stores then held different bytes where a client trimmed, which a failover
+    /// showed the client and `netblk verify` reported as damage.
     fn trim(&self, offset: u64, length: u64, fua: bool) -> BackendFuture<'_, ()> {
         let flags = if fua { write_flags::FUA } else { 0 };
         backend_future(self.shared.replicate_in_pieces(
             "trim",
             offset,
             length,
-            move |offset, length| self.shared.local.trim(offset, length, fua),
+            move |offset, length| self.shared.local.trim_to_zeroes(offset, length, fua),
             move |seq, offset, length| Message::Trim {
                 seq,
                 offset,

@@ -1033,7 +1033,7 @@ async fn handle<'a>(
             applying.push(backend_future(async move {
                 let result = if fits {
                     apply_logged(&shared, offset, length, || {
-                        local.trim(offset, length, flags & write_flags::FUA != 0)
+                        local.trim_to_zeroes(offset, length, flags & write_flags::FUA != 0)
                     })
                     .await
                 } else {

@@ -15,7 +15,8 @@ use super::meta::Metadata;
 use super::peer::run_replication;
 use crate::backend::memory::MemoryBackend;
 use crate::backend::{
-    backend_future, Backend, BackendError, BackendFuture, ReadData, WriteData, ZeroFlags,
+    backend_future, Backend, BackendError, BackendFuture, Capabilities, ReadData, WriteData,
+    ZeroFlags,
 };
 use crate::tcp::TcpSettings;
 use crate::wire::NbdError;
@@ -542,6 +543,117 @@ async fn every_protocol_delivers_writes_trims_and_zeroes_by_the_next_flush() {
         );
         let _ = pair.stop.send(true);
     }
+}
+
+/// A memory disk whose TRIM leaves the data in place, as a device's discard may (the NBD
+/// spec lets a trimmed range read back as anything), and which says whether it zeroes by
+/// itself or would write zeroes by hand.
+struct DiscardKeepsData {
+    inner: MemoryBackend,
+    zeroing_trim: bool,
+}
+
+impl DiscardKeepsData {
+    fn new(zeroing_trim: bool) -> Arc<DiscardKeepsData> {
+        Arc::new(DiscardKeepsData {
+            inner: MemoryBackend::new(SIZE, false),
+            zeroing_trim,
+        })
+    }
+}
+
+impl Backend for DiscardKeepsData {
+    crate::backend::pass_to_inner!(size, read, write, flush, write_zeroes, cache, extents);
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            zeroing_trim: self.zeroing_trim,
+            ..self.inner.capabilities()
+        }
+    }
+    fn trim(&self, _offset: u64, _length: u64, _fua: bool) -> BackendFuture<'_, ()> {
+        backend_future(async { Ok(()) })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trim_leaves_the_same_zeroes_on_every_node_whatever_each_disk_does_with_a_discard() {
+    // The disk that keeps its data on a discard under the secondary, then under the primary.
+    for keeper_is_primary in [false, true] {
+        let keeper: Arc<dyn Backend> = DiscardKeepsData::new(true);
+        let plain: Arc<dyn Backend> = Arc::new(MemoryBackend::new(SIZE, false));
+        let (primary_local, secondary_local) = if keeper_is_primary {
+            (keeper, plain)
+        } else {
+            (plain, keeper)
+        };
+        let pair = cluster("C", 2, primary_local, "1G", 2, Some(secondary_local)).await;
+        let backend = pair.primary_backend();
+        assert!(
+            backend.capabilities().trim,
+            "TRIM offered over disks that zero by themselves"
+        );
+        backend
+            .write(0, pattern(7, 1 << 20).into(), false)
+            .await
+            .unwrap();
+        // Unaligned at both ends, so partial blocks are part of it.
+        backend.trim(1000, 300_000, false).await.unwrap();
+        backend.flush().await.unwrap();
+        assert!(
+            pair.replicas_equal().await,
+            "keeper is primary: {keeper_is_primary}: the nodes differ where the client trimmed"
+        );
+        let trimmed = pair
+            .primary
+            .local
+            .read(1000, 300_000)
+            .await
+            .unwrap()
+            .bytes();
+        assert!(
+            trimmed.iter().all(|&b| b == 0),
+            "a trimmed range reads back as zeroes"
+        );
+        let kept = pair
+            .primary
+            .local
+            .read(301_000, 4096)
+            .await
+            .unwrap()
+            .bytes();
+        assert_eq!(
+            kept,
+            pattern(7, 1 << 20).slice(301_000..305_096),
+            "past the trim"
+        );
+        let _ = pair.stop.send(true);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trim_is_not_offered_over_a_disk_that_would_write_its_zeroes_by_hand() {
+    let pair = pair("C", DiscardKeepsData::new(false)).await;
+    let backend = pair.primary_backend();
+    let caps = backend.capabilities();
+    assert!(
+        !caps.trim,
+        "a replicated TRIM there would write the whole range"
+    );
+    assert!(
+        caps.write_zeroes,
+        "WRITE_ZEROES stays offered: there the client asks for the writes"
+    );
+    // A client that sends one anyway still gets the same zeroes on both nodes.
+    backend
+        .write(0, pattern(8, 65536).into(), false)
+        .await
+        .unwrap();
+    backend.trim(4096, 8192, false).await.unwrap();
+    backend.flush().await.unwrap();
+    assert!(pair.replicas_equal().await);
+    let trimmed = pair.secondary.local.read(4096, 8192).await.unwrap().bytes();
+    assert!(trimmed.iter().all(|&b| b == 0));
+    let _ = pair.stop.send(true);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

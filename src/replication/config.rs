@@ -8,6 +8,8 @@
 //! peer_timeout = "3s"     # a peer silent this long is dropped (and tracked in the bitmap)
 //! resync_rate = "100M"    # bytes per second of background resync
 //! size = "10G"            # creates missing backing files of this size
+//! # fence_peer = "CMD"      (run before writes go on without a peer; see the README)
+//! # fence_timeout = "60s"   (a fence_peer run longer than this fails, and is killed)
 //!
 //! [[node]]
 //! name = "alpha"
@@ -39,10 +41,11 @@ pub const MAX_NAME_LEN: usize = 64;
 /// A resource is replicated across at least two and at most this many nodes.
 pub const MAX_NODES: usize = 3;
 const DEFAULT_PEER_TIMEOUT: Duration = Duration::from_secs(3);
-/// The longest `peer_timeout`: a day. Deadlines are the timeout added to now, and a value
+/// The longest `peer_timeout` or `fence_timeout`: a day. Deadlines are the timeout added to now, and a value
 /// near `u64::MAX` seconds (which humantime accepts) overflowed there and panicked (review,
 /// session 66).
-const MAX_PEER_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
+const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
+const DEFAULT_FENCE_TIMEOUT: Duration = Duration::from_secs(60);
 const DEFAULT_RESYNC_RATE: u64 = 100 << 20;
 
 /// When a write is acknowledged to the client.
@@ -84,6 +87,7 @@ struct RawResource {
     resync_rate: Option<String>,
     size: Option<String>,
     fence_peer: Option<String>,
+    fence_timeout: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -128,6 +132,9 @@ pub struct ResourceConfig {
     /// acknowledges a write or flush without that peer, and acknowledges nothing without
     /// the peer until it exits 0 (see `Shared::fence_missing_peers`).
     pub fence_peer: Option<String>,
+    /// How long the `fence_peer` command may run before it counts as failed (and its
+    /// process group is killed); the requests that wait for it wait this long at most.
+    pub fence_timeout: Duration,
     pub nodes: Vec<NodeConfig>,
 }
 
@@ -160,20 +167,12 @@ impl ResourceConfig {
             Some(text) => Protocol::parse(text).map_err(|e| invalid("resource.protocol", e))?,
             None => Protocol::C,
         };
-        let peer_timeout = match &raw.resource.peer_timeout {
-            Some(text) => humantime::parse_duration(text)
-                .map_err(|e| invalid("resource.peer_timeout", format!("{text:?}: {e}")))?,
-            None => DEFAULT_PEER_TIMEOUT,
-        };
-        if peer_timeout.is_zero() || peer_timeout > MAX_PEER_TIMEOUT {
-            return Err(invalid(
-                "resource.peer_timeout",
-                format!(
-                    "must be above zero and at most {}",
-                    humantime::format_duration(MAX_PEER_TIMEOUT)
-                ),
-            ));
-        }
+        let peer_timeout =
+            timeout_setting(raw.resource.peer_timeout.as_deref(), DEFAULT_PEER_TIMEOUT)
+                .map_err(|e| invalid("resource.peer_timeout", e))?;
+        let fence_timeout =
+            timeout_setting(raw.resource.fence_timeout.as_deref(), DEFAULT_FENCE_TIMEOUT)
+                .map_err(|e| invalid("resource.fence_timeout", e))?;
         let resync_rate = match &raw.resource.resync_rate {
             Some(text) => parse_size(text).map_err(|e| invalid("resource.resync_rate", e))?,
             None => DEFAULT_RESYNC_RATE,
@@ -297,6 +296,7 @@ impl ResourceConfig {
             resync_rate,
             size,
             fence_peer: raw.resource.fence_peer,
+            fence_timeout,
             nodes,
         })
     }
@@ -317,6 +317,22 @@ impl ResourceConfig {
     pub fn peers_of<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a NodeConfig> + 'a {
         self.nodes.iter().filter(move |n| n.name != name)
     }
+}
+
+/// A timeout from the resource file (`"3s"`, `"500ms"`), or `default` where it is left out:
+/// above zero and at most [`MAX_TIMEOUT`], since deadlines are computed by adding it.
+fn timeout_setting(text: Option<&str>, default: Duration) -> Result<Duration, String> {
+    let Some(text) = text else {
+        return Ok(default);
+    };
+    let timeout = humantime::parse_duration(text).map_err(|e| format!("{text:?}: {e}"))?;
+    if timeout.is_zero() || timeout > MAX_TIMEOUT {
+        return Err(format!(
+            "must be above zero and at most {}",
+            humantime::format_duration(MAX_TIMEOUT)
+        ));
+    }
+    Ok(timeout)
 }
 
 fn check_name(name: &str) -> Result<(), String> {
@@ -412,6 +428,24 @@ mod tests {
         );
         let e = ResourceConfig::parse(&with("fence_peer = \"  \""), "r0.toml").unwrap_err();
         assert!(e.to_string().contains("resource.fence_peer"), "{e}");
+    }
+
+    #[test]
+    fn the_fence_timeout_is_a_minute_unless_set_and_must_be_a_sane_duration() {
+        let with =
+            |line: &str| TWO_NODES.replace("size = \"1G\"", &format!("size = \"1G\"\n{line}"));
+        let config = ResourceConfig::parse(&with(""), "r0.toml").unwrap();
+        assert_eq!(config.fence_timeout, Duration::from_secs(60));
+        let config = ResourceConfig::parse(&with("fence_timeout = \"15s\""), "r0.toml").unwrap();
+        assert_eq!(config.fence_timeout, Duration::from_secs(15));
+        for bad in ["0s", "soon", "500000000000years"] {
+            let e = ResourceConfig::parse(&with(&format!("fence_timeout = \"{bad}\"")), "r0.toml")
+                .unwrap_err();
+            assert!(
+                e.to_string().contains("resource.fence_timeout"),
+                "{bad}: {e}"
+            );
+        }
     }
 
     /// The README's example, as an operator copies it: one file for hosts whose paths

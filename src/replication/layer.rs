@@ -1035,7 +1035,7 @@ impl Shared {
     /// command with `NETBLK_RESOURCE`, `NETBLK_NODE`, `NETBLK_PEER` and
     /// `NETBLK_PEER_ADDRESS` in its environment. Exit 0 says the peer can no longer take
     /// over (outdated with `netblk outdate`, or powered off); until then the request
-    /// waits, and if the command fails (or runs past [`FENCE_TIMEOUT`]) it fails with
+    /// waits, and if the command fails (or runs past `fence_timeout`) it fails with
     /// EIO, as every such request does for [`FENCE_RETRY`] before the command runs again.
     /// Without fencing, a primary cut off from a secondary that a cluster manager then
     /// promoted acknowledged writes that the split brain's resolution drops. A fencing
@@ -1087,7 +1087,14 @@ impl Shared {
                 }
             }
             warn!(peer = %slot.config.name, "going on without the peer: fencing it first (fence_peer)");
-            match run_fence_peer(command, &self.resource.name, &self.node, &slot.config).await {
+            let fenced = run_fence_peer(
+                command,
+                self.resource.fence_timeout,
+                &self.resource.name,
+                &self.node,
+                &slot.config,
+            );
+            match fenced.await {
                 Ok(()) => {
                     slot.fenced_for.store(links_made + 1, Ordering::Release);
                     *last_failure = None;
@@ -2174,9 +2181,6 @@ impl Drop for RangeGuard<'_> {
     }
 }
 
-/// How long the `fence_peer` command may run before it counts as failed (and is killed).
-const FENCE_TIMEOUT: Duration = Duration::from_secs(60);
-
 /// After the `fence_peer` command failed, requests that need it fail at once for this
 /// long before it runs again.
 const FENCE_RETRY: Duration = Duration::from_secs(1);
@@ -2188,9 +2192,10 @@ const FENCE_STDERR_KEPT: usize = 4096;
 /// the end of what it printed to stderr. Its exit decides, not the end of its output: a
 /// command that leaves a process running (`cmd &`, an ssh master) may keep its pipes open
 /// long after it exited 0, which took its whole 60 s (re-review, session 72). It runs in
-/// a process group of its own, all of which is killed at the timeout; stdout is not read.
+/// a process group of its own, all of which is killed at `timeout`; stdout is not read.
 async fn run_fence_peer(
     command: &str,
+    timeout: Duration,
     resource: &str,
     node: &str,
     peer: &NodeConfig,
@@ -2227,7 +2232,7 @@ async fn run_fence_peer(
             }
         })
     });
-    let status = match tokio::time::timeout(FENCE_TIMEOUT, child.wait()).await {
+    let status = match tokio::time::timeout(timeout, child.wait()).await {
         Ok(Ok(status)) => Ok(status),
         Ok(Err(e)) => Err(format!("waiting for fence_peer: {e}")),
         Err(_) => {
@@ -2236,14 +2241,17 @@ async fn run_fence_peer(
             }
             let _ = child.wait().await;
             Err(format!(
-                "fence_peer ran past {}s and was killed",
-                FENCE_TIMEOUT.as_secs()
+                "fence_peer ran past {} (fence_timeout) and was killed",
+                humantime::format_duration(timeout)
             ))
         }
     };
     if let Some(reader) = reader {
         // What it printed before it exited is in the pipe already; a process it left
-        // running may hold the pipe open, so this waits only a moment for the end.
+        // running may hold the pipe open, so this waits only a moment for the end. The
+        // reader reads on meanwhile (keeping 4 KiB): stopping it would close the pipe,
+        // and that process's next write to stderr would kill it with SIGPIPE (review,
+        // session 73).
         let _ = tokio::time::timeout(Duration::from_millis(100), reader).await;
     }
     let status = status?;

@@ -1803,6 +1803,15 @@ async fn fenced_pair(script: &str) -> (Pair, tempfile::TempDir) {
 
 /// As [`fenced_pair`], with `nodes` nodes (2 or 3), every secondary in sync.
 async fn fenced_cluster(nodes: usize, script: &str) -> (Pair, tempfile::TempDir) {
+    fenced_cluster_with(nodes, script, "").await
+}
+
+/// As [`fenced_cluster`], with `resource_lines` added to the `[resource]` table.
+async fn fenced_cluster_with(
+    nodes: usize,
+    script: &str,
+    resource_lines: &str,
+) -> (Pair, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("fence.sh");
     std::fs::write(
@@ -1810,7 +1819,7 @@ async fn fenced_cluster(nodes: usize, script: &str) -> (Pair, tempfile::TempDir)
         script.replace("$DIR", &dir.path().display().to_string()),
     )
     .unwrap();
-    let line = format!("fence_peer = \"sh {}\"", path.display());
+    let line = format!("fence_peer = \"sh {}\"\n{resource_lines}", path.display());
     let pair = cluster_started_with(
         "C",
         nodes,
@@ -1829,6 +1838,24 @@ async fn fenced_cluster(nodes: usize, script: &str) -> (Pair, tempfile::TempDir)
     })
     .await;
     (pair, dir)
+}
+
+/// Processes of process group `group` that are not zombies, from /proc.
+fn live_processes_in_group(group: u32) -> usize {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
+        .filter(|stat| {
+            // After the command name's closing parenthesis: state, ppid, pgrp.
+            let fields: Vec<&str> = stat
+                .rsplit_once(')')
+                .map_or(vec![], |(_, rest)| rest.split_whitespace().collect());
+            fields.len() > 2 && fields[0] != "Z" && fields[2] == group.to_string()
+        })
+        .count()
 }
 
 fn fence_log(dir: &tempfile::TempDir) -> Vec<String> {
@@ -2001,6 +2028,42 @@ async fn a_fence_command_that_leaves_a_process_running_counts_at_its_exit() {
         started.elapsed()
     );
     assert_eq!(fence_log(&dir).len(), 1);
+    let _ = pair.stop.send(true);
+}
+
+/// A command that hangs counts as failed after `fence_timeout`, and is killed: the write
+/// waits that long, not the default minute, and then fails with EIO.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fence_command_that_hangs_fails_the_write_at_the_fence_timeout() {
+    let (pair, dir) = fenced_cluster_with(
+        2,
+        "awk '{print $5}' /proc/$$/stat >> $DIR/fence.log\nsleep 30\n",
+        "fence_timeout = \"700ms\"",
+    )
+    .await;
+    stop_the_secondary(&pair).await;
+    let started = std::time::Instant::now();
+    let error = pair
+        .primary_backend()
+        .write(0, pattern(1, 4096).into(), false)
+        .await
+        .expect_err("acknowledged while the peer was not fenced");
+    let waited = started.elapsed();
+    assert_eq!(error.errno, NbdError::Io);
+    assert!(error.to_string().contains("fence_timeout"), "{error}");
+    assert!(
+        waited >= Duration::from_millis(700) && waited < Duration::from_secs(5),
+        "the write waited {waited:?}"
+    );
+    // The shells and the sleep were killed with their process group (the script logged
+    // its group's id; a killed process no one has reaped yet stays as a zombie, so those
+    // do not count).
+    let log = fence_log(&dir);
+    let group: u32 = log.first().expect("the script ran").parse().unwrap();
+    wait_until("the command's process group is gone", || {
+        live_processes_in_group(group) == 0
+    })
+    .await;
     let _ = pair.stop.send(true);
 }
 

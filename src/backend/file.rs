@@ -90,12 +90,13 @@ pub struct FileBackend {
     #[cfg(test)]
     nowait_tries: AtomicU64,
     /// A test's device that says it takes no discards, or discards only whole granules
-    /// of this many bytes (0: what sysfs says). Every loop device here discards, by 512
-    /// bytes, and the VM's own disk is not a test's to touch.
+    /// of this many bytes (0: what sysfs says) that begin this many bytes into it. Every
+    /// loop device here discards by 512 bytes from its start, and the VM's own disk is
+    /// not a test's to touch.
     #[cfg(test)]
     pretend_no_discard: AtomicBool,
     #[cfg(test)]
-    pretend_discard_granularity: AtomicU64,
+    pretend_discard_granules: std::sync::Mutex<Option<(u64, u64)>>,
 }
 
 /// Write-behind for writeback mode: after every [`WRITE_BEHIND`] bytes written into the page
@@ -514,7 +515,7 @@ impl FileBackend {
             #[cfg(test)]
             pretend_no_discard: AtomicBool::new(false),
             #[cfg(test)]
-            pretend_discard_granularity: AtomicU64::new(0),
+            pretend_discard_granules: std::sync::Mutex::new(None),
         })
     }
 
@@ -571,20 +572,39 @@ impl FileBackend {
             .is_some_and(|bytes| bytes > 0)
     }
 
-    /// The smallest piece the device discards (`queue/discard_granularity`), at least a
-    /// block: a discard that covers only part of one may be ignored (a thin volume's
-    /// chunk, 64 KiB by default, keeps its data then).
-    fn discard_granule(&self) -> u64 {
-        #[cfg(test)]
-        match self.pretend_discard_granularity.load(Ordering::Relaxed) {
-            0 => {}
-            pretended => return pretended,
+    /// The whole discard granules of `offset..offset + length`, as a range (empty when
+    /// there is none). A granule is the smallest piece the device discards
+    /// (`queue/discard_granularity`, at least a block), and a discard that covers only
+    /// part of one may be ignored: a thin volume's chunk, 64 KiB by default, keeps its
+    /// data then. A partition starts `discard_alignment` bytes past a granule's start.
+    fn discard_granules(&self, offset: u64, length: u64) -> (u64, u64) {
+        let (granule, alignment) = self.discard_granule_and_alignment();
+        let end = offset + length;
+        // How far `at` lies past the granule boundary at or below it.
+        let past = |at: u64| (at + alignment) % granule;
+        let first = offset + (granule - past(offset)) % granule;
+        let last = end - past(end);
+        if first < last {
+            (first, last)
+        } else {
+            (end, end)
         }
-        rustix::fs::fstat(&*self.file)
-            .ok()
-            .and_then(|stat| queue_attribute(stat.st_rdev, "discard_granularity"))
+    }
+
+    fn discard_granule_and_alignment(&self) -> (u64, u64) {
+        #[cfg(test)]
+        if let Some(pretended) = *self.pretend_discard_granules.lock().unwrap() {
+            return pretended;
+        }
+        let device = rustix::fs::fstat(&*self.file).ok().map(|stat| stat.st_rdev);
+        let granule = device
+            .and_then(|device| queue_attribute(device, "discard_granularity"))
             .unwrap_or(0)
-            .max(self.fallocate_block)
+            .max(self.fallocate_block);
+        let alignment = device
+            .and_then(|device| device_attribute(device, "discard_alignment"))
+            .unwrap_or(0);
+        (granule, alignment % granule)
     }
 
     /// Discards `start..end` (whole blocks: `fallocate_range`) of a device with
@@ -1291,10 +1311,8 @@ impl Backend for FileBackend {
             return self.write_zeroes(offset, length, zeroing);
         }
         backend_future(async move {
-            let granule = self.discard_granule();
             let range_end = offset + length;
-            let start = offset.next_multiple_of(granule).min(range_end);
-            let end = (range_end - range_end % granule).max(start);
+            let (start, end) = self.discard_granules(offset, length);
             if start < end {
                 let held = self.lock_shared(start, end - start).await;
                 let discarded = self
@@ -1681,22 +1699,29 @@ mod tests {
             eprintln!("skipped: this loop device takes no discards");
             return;
         }
-        // (pretended granule, pretend no discard): the device's own, a thin volume's
-        // 64 KiB chunk, and a device without discard.
-        for (granule, no_discard) in [(0, false), (65536, false), (0, true)] {
-            let what = format!("granule {granule}, no discard {no_discard}");
+        // (pretended granule and alignment, pretend no discard, bytes discarded): the
+        // device's own; a thin volume's 64 KiB chunk; the same in a partition that starts
+        // 32 KiB past a chunk's start; a device without discard.
+        let cases = [
+            (None, false, None),
+            (Some((65536, 0)), false, Some(262_144 - 65536)),
+            (Some((65536, 32768)), false, Some(294_912 - 32768)),
+            (None, true, None),
+        ];
+        for (granules, no_discard, expected) in cases {
+            let what = format!("granules {granules:?}, no discard {no_discard}");
             let b = FileBackend::open(Path::new(&device.path), None, false, None).unwrap();
-            b.pretend_discard_granularity
-                .store(granule, Ordering::Relaxed);
+            *b.pretend_discard_granules.lock().unwrap() = granules;
             b.pretend_no_discard.store(no_discard, Ordering::Relaxed);
             assert_eq!(b.capabilities().zeroing_trim, !no_discard, "{what}");
             let (requests, sectors) = discards_done(&device.path);
             trim_to_zeroes_reads_back_zeroes(&b, &what);
             let (requests_after, sectors_after) = discards_done(&device.path);
             assert_eq!(requests_after > requests, !no_discard, "{what}");
-            if granule == 65536 {
-                // 1000..301000 holds the whole 64 KiB granules from 65536 to 262144.
-                assert_eq!((sectors_after - sectors) * 512, 262_144 - 65536, "{what}");
+            if let Some(expected) = expected {
+                // 1000..301000 holds the whole granules from 65536 to 262144, or with
+                // the 32 KiB offset, those from 32768 to 294912.
+                assert_eq!((sectors_after - sectors) * 512, expected, "{what}");
             }
         }
     }

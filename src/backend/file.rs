@@ -89,14 +89,18 @@ pub struct FileBackend {
     /// Non-blocking page-cache reads tried, for tests that count them.
     #[cfg(test)]
     nowait_tries: AtomicU64,
-    /// A test's device that says it takes no discards, or discards only whole granules
-    /// of this many bytes (0: what sysfs says) that begin this many bytes into it. Every
-    /// loop device here discards by 512 bytes from its start, and the VM's own disk is
-    /// not a test's to touch.
+    /// How a device discards, read from sysfs once at open: `None` for a file or a
+    /// device that takes no discards (`queue/discard_max_bytes` 0), else its granule
+    /// (`queue/discard_granularity`, at least a block: a discard that covers only part
+    /// of one may be ignored, as a thin volume ignores part of its 64 KiB chunk) and how
+    /// far a partition starts past a granule's start (`discard_alignment`). A device
+    /// that stops taking discards later answers EOPNOTSUPP, which each caller handles.
+    discards: Option<DiscardGranules>,
+    /// A test's device that discards as this says instead (every loop device here
+    /// discards by 512 bytes from its start, and the VM's own disk is not a test's to
+    /// touch).
     #[cfg(test)]
-    pretend_no_discard: AtomicBool,
-    #[cfg(test)]
-    pretend_discard_granules: std::sync::Mutex<Option<(u64, u64)>>,
+    pretend_discards: std::sync::Mutex<Option<Option<DiscardGranules>>>,
 }
 
 /// Write-behind for writeback mode: after every [`WRITE_BEHIND`] bytes written into the page
@@ -491,6 +495,9 @@ impl FileBackend {
         } else {
             1
         };
+        let discards = block_device
+            .then(|| DiscardGranules::of(&file, fallocate_block))
+            .flatten();
         Ok(FileBackend {
             path: path.to_path_buf(),
             file: Arc::new(file),
@@ -512,10 +519,9 @@ impl FileBackend {
             behind: Arc::new(WriteBehind::new()),
             #[cfg(test)]
             nowait_tries: AtomicU64::new(0),
+            discards,
             #[cfg(test)]
-            pretend_no_discard: AtomicBool::new(false),
-            #[cfg(test)]
-            pretend_discard_granules: std::sync::Mutex::new(None),
+            pretend_discards: std::sync::Mutex::new(None),
         })
     }
 
@@ -560,51 +566,13 @@ impl FileBackend {
             .is_some_and(|bytes| bytes > 0)
     }
 
-    /// Whether the device takes discards (`queue/discard_max_bytes` above 0 in sysfs).
-    fn device_discards(&self) -> bool {
+    /// How the device discards (`None` for a file, or a device that takes no discards).
+    fn device_discards(&self) -> Option<DiscardGranules> {
         #[cfg(test)]
-        if self.pretend_no_discard.load(Ordering::Relaxed) {
-            return false;
-        }
-        rustix::fs::fstat(&*self.file)
-            .ok()
-            .and_then(|stat| queue_attribute(stat.st_rdev, "discard_max_bytes"))
-            .is_some_and(|bytes| bytes > 0)
-    }
-
-    /// The whole discard granules of `offset..offset + length`, as a range (empty when
-    /// there is none). A granule is the smallest piece the device discards
-    /// (`queue/discard_granularity`, at least a block), and a discard that covers only
-    /// part of one may be ignored: a thin volume's chunk, 64 KiB by default, keeps its
-    /// data then. A partition starts `discard_alignment` bytes past a granule's start.
-    fn discard_granules(&self, offset: u64, length: u64) -> (u64, u64) {
-        let (granule, alignment) = self.discard_granule_and_alignment();
-        let end = offset + length;
-        // How far `at` lies past the granule boundary at or below it.
-        let past = |at: u64| (at + alignment) % granule;
-        let first = offset + (granule - past(offset)) % granule;
-        let last = end - past(end);
-        if first < last {
-            (first, last)
-        } else {
-            (end, end)
-        }
-    }
-
-    fn discard_granule_and_alignment(&self) -> (u64, u64) {
-        #[cfg(test)]
-        if let Some(pretended) = *self.pretend_discard_granules.lock().unwrap() {
+        if let Some(pretended) = *self.pretend_discards.lock().unwrap() {
             return pretended;
         }
-        let device = rustix::fs::fstat(&*self.file).ok().map(|stat| stat.st_rdev);
-        let granule = device
-            .and_then(|device| queue_attribute(device, "discard_granularity"))
-            .unwrap_or(0)
-            .max(self.fallocate_block);
-        let alignment = device
-            .and_then(|device| device_attribute(device, "discard_alignment"))
-            .unwrap_or(0);
-        (granule, alignment % granule)
+        self.discards
     }
 
     /// Discards `start..end` (whole blocks: `fallocate_range`) of a device with
@@ -1053,6 +1021,46 @@ fn device_attribute(device: u64, name: &str) -> Option<u64> {
         .ok()
 }
 
+/// How a block device discards: by whole granules of `granule` bytes, the first of which
+/// starts `alignment` bytes before the device (a partition) does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct DiscardGranules {
+    granule: u64,
+    alignment: u64,
+}
+
+impl DiscardGranules {
+    /// What sysfs says of `file`'s device, whose blocks are `block` bytes; `None` when it
+    /// takes no discards (or sysfs cannot tell).
+    fn of(file: &File, block: u64) -> Option<DiscardGranules> {
+        let device = rustix::fs::fstat(file).ok()?.st_rdev;
+        if queue_attribute(device, "discard_max_bytes")? == 0 {
+            return None;
+        }
+        let granule = queue_attribute(device, "discard_granularity")
+            .unwrap_or(0)
+            .max(block);
+        let alignment = device_attribute(device, "discard_alignment").unwrap_or(0) % granule;
+        Some(DiscardGranules { granule, alignment })
+    }
+
+    /// The whole granules within `offset..offset + length`, as a range (empty, at the
+    /// range's end, when there is none).
+    fn within(self, offset: u64, length: u64) -> (u64, u64) {
+        let DiscardGranules { granule, alignment } = self;
+        let end = offset + length;
+        // How far `at` lies past the granule boundary at or below it.
+        let past = |at: u64| (at + alignment) % granule;
+        let first = offset + (granule - past(offset)) % granule;
+        let last = end - past(end);
+        if first < last {
+            (first, last)
+        } else {
+            (end, end)
+        }
+    }
+}
+
 /// A number from the request queue of block device `device` in sysfs; a partition's queue
 /// is its disk's, one level up.
 fn queue_attribute(device: u64, name: &str) -> Option<u64> {
@@ -1114,7 +1122,7 @@ impl Backend for FileBackend {
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             rotational: self.rotational,
-            zeroing_trim: !self.block_device || self.device_discards(),
+            zeroing_trim: !self.block_device || self.device_discards().is_some(),
             ..Capabilities::full_store(self.read_only)
         }
     }
@@ -1307,12 +1315,12 @@ impl Backend for FileBackend {
             fast: false,
             fua,
         };
-        if !self.block_device || !self.device_discards() {
+        let Some(granules) = self.device_discards().filter(|_| self.block_device) else {
             return self.write_zeroes(offset, length, zeroing);
-        }
+        };
         backend_future(async move {
             let range_end = offset + length;
-            let (start, end) = self.discard_granules(offset, length);
+            let (start, end) = granules.within(offset, length);
             if start < end {
                 let held = self.lock_shared(start, end - start).await;
                 let discarded = self
@@ -1684,6 +1692,28 @@ mod tests {
         }
     }
 
+    #[test]
+    fn whole_discard_granules_are_found_within_a_range() {
+        let thin = DiscardGranules {
+            granule: 65536,
+            alignment: 0,
+        };
+        assert_eq!(thin.within(1000, 300_000), (65536, 262_144));
+        assert_eq!(thin.within(65536, 65536), (65536, 131_072), "exactly one");
+        assert_eq!(
+            thin.within(1000, 65536),
+            (66536, 66536),
+            "none: the end, empty"
+        );
+        assert_eq!(thin.within(0, 1000), (1000, 1000));
+        let offset = DiscardGranules {
+            granule: 65536,
+            alignment: 32768,
+        };
+        assert_eq!(offset.within(0, 300_000), (32768, 294_912));
+        assert_eq!(offset.within(32768, 65536), (32768, 98304));
+    }
+
     /// On a device that discards, the whole granules of the range are discarded (not
     /// zeroed: a thin volume gets its space back) and the partial ones written as zeroes;
     /// on one that does not, the range is zeroed, and TRIM is not said to be cheap there.
@@ -1699,20 +1729,22 @@ mod tests {
             eprintln!("skipped: this loop device takes no discards");
             return;
         }
-        // (pretended granule and alignment, pretend no discard, bytes discarded): the
-        // device's own; a thin volume's 64 KiB chunk; the same in a partition that starts
-        // 32 KiB past a chunk's start; a device without discard.
+        // (what the device pretends, bytes discarded): what sysfs says; a thin volume's
+        // 64 KiB chunk; the same in a partition that starts 32 KiB past a chunk's start;
+        // a device without discard.
+        let granules = |granule, alignment| Some(Some(DiscardGranules { granule, alignment }));
         let cases = [
-            (None, false, None),
-            (Some((65536, 0)), false, Some(262_144 - 65536)),
-            (Some((65536, 32768)), false, Some(294_912 - 32768)),
-            (None, true, None),
+            (None, None),
+            (granules(65536, 0), Some(262_144 - 65536)),
+            (granules(65536, 32768), Some(294_912 - 32768)),
+            (Some(None), None),
         ];
-        for (granules, no_discard, expected) in cases {
-            let what = format!("granules {granules:?}, no discard {no_discard}");
+        for (pretended, expected) in cases {
+            let what = format!("pretended {pretended:?}");
             let b = FileBackend::open(Path::new(&device.path), None, false, None).unwrap();
-            *b.pretend_discard_granules.lock().unwrap() = granules;
-            b.pretend_no_discard.store(no_discard, Ordering::Relaxed);
+            assert!(b.discards.is_some(), "sysfs says this loop device discards");
+            *b.pretend_discards.lock().unwrap() = pretended;
+            let no_discard = pretended == Some(None);
             assert_eq!(b.capabilities().zeroing_trim, !no_discard, "{what}");
             let (requests, sectors) = discards_done(&device.path);
             trim_to_zeroes_reads_back_zeroes(&b, &what);

@@ -41,11 +41,13 @@ pub const MAX_NAME_LEN: usize = 64;
 /// A resource is replicated across at least two and at most this many nodes.
 pub const MAX_NODES: usize = 3;
 const DEFAULT_PEER_TIMEOUT: Duration = Duration::from_secs(3);
-/// The longest `peer_timeout` or `fence_timeout`: a day. Deadlines are the timeout added to now, and a value
-/// near `u64::MAX` seconds (which humantime accepts) overflowed there and panicked (review,
-/// session 66).
+/// The longest `peer_timeout` or `fence_timeout`: a day. Deadlines are the timeout added
+/// to now, and a value near `u64::MAX` seconds (which humantime accepts) overflowed there
+/// and panicked (review, session 66).
 const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
 const DEFAULT_FENCE_TIMEOUT: Duration = Duration::from_secs(60);
+/// The shortest `fence_timeout`.
+const MIN_FENCE_TIMEOUT: Duration = Duration::from_secs(1);
 const DEFAULT_RESYNC_RATE: u64 = 100 << 20;
 
 /// When a write is acknowledged to the client.
@@ -133,7 +135,8 @@ pub struct ResourceConfig {
     /// the peer until it exits 0 (see `Shared::fence_missing_peers`).
     pub fence_peer: Option<String>,
     /// How long the `fence_peer` command may run before it counts as failed (and its
-    /// process group is killed); the requests that wait for it wait this long at most.
+    /// process group is killed). A request waits this long for each peer it fences, after
+    /// the loss was noticed (up to `peer_timeout`).
     pub fence_timeout: Duration,
     pub nodes: Vec<NodeConfig>,
 }
@@ -173,6 +176,22 @@ impl ResourceConfig {
         let fence_timeout =
             timeout_setting(raw.resource.fence_timeout.as_deref(), DEFAULT_FENCE_TIMEOUT)
                 .map_err(|e| invalid("resource.fence_timeout", e))?;
+        if fence_timeout < MIN_FENCE_TIMEOUT {
+            return Err(invalid(
+                "resource.fence_timeout",
+                format!(
+                    "at least {}: a command killed sooner cannot fence anything, and every write without a peer would fail",
+                    humantime::format_duration(MIN_FENCE_TIMEOUT)
+                ),
+            ));
+        }
+        if raw.resource.fence_timeout.is_some() && raw.resource.fence_peer.is_none() {
+            return Err(invalid(
+                "resource.fence_timeout",
+                "set without fence_peer, so no fencing runs (set fence_peer, or leave this out)"
+                    .into(),
+            ));
+        }
         let resync_rate = match &raw.resource.resync_rate {
             Some(text) => parse_size(text).map_err(|e| invalid("resource.resync_rate", e))?,
             None => DEFAULT_RESYNC_RATE,
@@ -436,11 +455,15 @@ mod tests {
             |line: &str| TWO_NODES.replace("size = \"1G\"", &format!("size = \"1G\"\n{line}"));
         let config = ResourceConfig::parse(&with(""), "r0.toml").unwrap();
         assert_eq!(config.fence_timeout, Duration::from_secs(60));
-        let config = ResourceConfig::parse(&with("fence_timeout = \"15s\""), "r0.toml").unwrap();
+        let fenced = |line: &str| with(&format!("fence_peer = \"true\"\n{line}"));
+        let config = ResourceConfig::parse(&fenced("fence_timeout = \"15s\""), "r0.toml").unwrap();
         assert_eq!(config.fence_timeout, Duration::from_secs(15));
-        for bad in ["0s", "soon", "500000000000years"] {
-            let e = ResourceConfig::parse(&with(&format!("fence_timeout = \"{bad}\"")), "r0.toml")
-                .unwrap_err();
+        let alone = ResourceConfig::parse(&with("fence_timeout = \"15s\""), "r0.toml").unwrap_err();
+        assert!(alone.to_string().contains("without fence_peer"), "{alone}");
+        for bad in ["0s", "999ms", "soon", "500000000000years"] {
+            let e =
+                ResourceConfig::parse(&fenced(&format!("fence_timeout = \"{bad}\"")), "r0.toml")
+                    .unwrap_err();
             assert!(
                 e.to_string().contains("resource.fence_timeout"),
                 "{bad}: {e}"

@@ -93,8 +93,9 @@ pub struct FileBackend {
     /// device that takes no discards (`queue/discard_max_bytes` 0), else its granule
     /// (`queue/discard_granularity`, at least a block: a discard that covers only part
     /// of one may be ignored, as a thin volume ignores part of its 64 KiB chunk) and how
-    /// far a partition starts past a granule's start (`discard_alignment`). A device
-    /// that stops taking discards later answers EOPNOTSUPP, which each caller handles.
+    /// far into a partition its first whole granule starts (`discard_alignment`). A
+    /// device that stops taking discards later answers EOPNOTSUPP, which each caller
+    /// handles.
     discards: Option<DiscardGranules>,
     /// A test's device that discards as this says instead (every loop device here
     /// discards by 512 bytes from its start, and the VM's own disk is not a test's to
@@ -575,7 +576,7 @@ impl FileBackend {
         self.discards
     }
 
-    /// Discards `start..end` (whole blocks: `fallocate_range`) of a device with
+    /// Discards `start..end` (whole blocks, or whole discard granules) of a device with
     /// BLKDISCARD, or punches it out of a file. `Ok(false)` where the store cannot
     /// (EOPNOTSUPP): it keeps the data then.
     async fn discard_blocks(

@@ -176,6 +176,13 @@ impl ResourceConfig {
         let fence_timeout =
             timeout_setting(raw.resource.fence_timeout.as_deref(), DEFAULT_FENCE_TIMEOUT)
                 .map_err(|e| invalid("resource.fence_timeout", e))?;
+        if raw.resource.fence_timeout.is_some() && raw.resource.fence_peer.is_none() {
+            return Err(invalid(
+                "resource.fence_timeout",
+                "set without fence_peer, so no fencing runs (set fence_peer, or leave this out)"
+                    .into(),
+            ));
+        }
         if fence_timeout < MIN_FENCE_TIMEOUT {
             return Err(invalid(
                 "resource.fence_timeout",
@@ -183,13 +190,6 @@ impl ResourceConfig {
                     "at least {}: a command killed sooner cannot fence anything, and every write without a peer would fail",
                     humantime::format_duration(MIN_FENCE_TIMEOUT)
                 ),
-            ));
-        }
-        if raw.resource.fence_timeout.is_some() && raw.resource.fence_peer.is_none() {
-            return Err(invalid(
-                "resource.fence_timeout",
-                "set without fence_peer, so no fencing runs (set fence_peer, or leave this out)"
-                    .into(),
             ));
         }
         let resync_rate = match &raw.resource.resync_rate {

@@ -310,7 +310,8 @@ class Setup:
                             f'backing = "{backing}"\nmetadata = "{data}/{name}.meta"\n')
             self.primary = self.node("alpha", True)
             self.secondary = self.node("beta", False)
-            self.secondary.wait_for("in sync with the primary")
+            self.take_primary()
+            self.wait_replicating()
         else:
             image = os.path.join(self.dir, "plain.img")
             if allocated and not memory:
@@ -324,6 +325,50 @@ class Setup:
         p = Proc(argv, os.path.join(self.dir, name))
         self.procs.append(p)
         return p
+
+    def status(self, node):
+        """`netblk status --json` of `node`'s state, or {} while it does not answer."""
+        out = subprocess.run([NETBLK, "status", "--config", self.config, "--node", node, "--json"],
+                             capture_output=True, text=True)
+        try:
+            return json.loads(out.stdout).get("status") or {}
+        except (ValueError, AttributeError):
+            return {}
+
+    def take_primary(self, timeout=60):
+        """Until alpha is primary. Its `--primary` is refused over backings that held data
+        before their metadata (every allocated image here: "did not start blank"), as it
+        should be; the bench then does what the README tells an operator to do for the
+        first primary over existing disks, `netblk promote --force`. (Until a72d78a the
+        bench waited for the secondary's log and failed after 120 s instead.)"""
+        deadline = time.time() + timeout
+        forced = False
+        while self.status("alpha").get("role", "").lower() != "primary":
+            if not forced and "--primary refused" in self.primary.log():
+                subprocess.run([NETBLK, "promote", "--force", "--config", self.config, "--node", "alpha"],
+                               check=True, capture_output=True)
+                forced = True
+            if time.time() > deadline:
+                raise RuntimeError(f"alpha not primary after {timeout} s:\n{self.primary.log()[-3000:]}")
+            time.sleep(0.05)
+
+    def wait_replicating(self, timeout=120):
+        """Until the secondary is up to date and the primary replicates to it, by their status.
+        (Not by its log's "in sync with the primary", which is logged only at the end of
+        a resync.)"""
+        deadline = time.time() + timeout
+        while True:
+            if self.secondary.proc.poll() is not None:
+                raise RuntimeError(f"beta exited ({self.secondary.proc.returncode}):\n{self.secondary.log()}")
+            beta = self.status("beta")
+            peers = self.status("alpha").get("peers", [])
+            if beta.get("disk") == "UpToDate" and any(
+                    p.get("name") == "beta" and p.get("replicating") and not p.get("resync_running")
+                    for p in peers):
+                return
+            if time.time() > deadline:
+                raise RuntimeError(f"beta not replicating after {timeout} s: {beta}, alpha's peers {peers}")
+            time.sleep(0.05)
 
     def node(self, name, primary):
         argv = [NETBLK, "serve", *EXTRA_SERVE_ARGS, "--config", self.config, "--node", name]

@@ -1468,13 +1468,7 @@ async fn a_promote_in_the_reconnect_gap_after_a_peers_promote_is_refused() {
     // Promoting a primary changes nothing, so nothing is announced (on a link where the
     // peer is a resync target, a primary's state would end its resync).
     assert_eq!(alpha.promote(false), Ok(false));
-    alpha.demote().await.unwrap();
-    alpha.drop_connections();
-    wait_until("both secondaries, connected again", || {
-        alpha.status().peers[0].link == "idle" && beta.status().peers[0].link == "idle"
-    })
-    .await;
-    assert_eq!(beta.promote(false), Ok(true));
+    demote_alpha_and_promote_beta(&pair).await;
     // Alpha dials, and would dial again at once after an announced promotion: its next
     // dial is held back a second, as after a peer's disk failed, so the gap shows.
     alpha.peers[0].disk_failed.store(true, Ordering::Release);
@@ -1840,6 +1834,19 @@ async fn fenced_cluster_with(
     (pair, dir)
 }
 
+/// A switchover by hand: the primary (alpha) demotes and drops its links, and once both
+/// nodes are linked again as secondaries, beta is promoted (not yet announced to alpha).
+async fn demote_alpha_and_promote_beta(pair: &Pair) {
+    let (alpha, beta) = (&pair.primary, &pair.secondary);
+    alpha.demote().await.unwrap();
+    alpha.drop_connections();
+    wait_until("both secondaries, connected again", || {
+        alpha.status().peers[0].link == "idle" && beta.status().peers[0].link == "idle"
+    })
+    .await;
+    assert_eq!(beta.promote(false), Ok(true));
+}
+
 /// Processes of process group `group` that are not zombies, from /proc.
 fn live_processes_in_group(group: u32) -> usize {
     let Ok(entries) = std::fs::read_dir("/proc") else {
@@ -2093,14 +2100,8 @@ async fn a_stop_or_a_demotion_does_not_run_the_fence_command() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flush_right_after_a_switchover_waits_for_the_relink_and_fences_nobody() {
     let (pair, dir) = fenced_pair("echo run >> $DIR/fence.log\nexit 1\n").await;
-    let (alpha, beta) = (&pair.primary, &pair.secondary);
-    alpha.demote().await.unwrap();
-    alpha.drop_connections();
-    wait_until("both secondaries, connected again", || {
-        alpha.status().peers[0].link == "idle" && beta.status().peers[0].link == "idle"
-    })
-    .await;
-    assert_eq!(beta.promote(false), Ok(true));
+    let beta = &pair.secondary;
+    demote_alpha_and_promote_beta(&pair).await;
     beta.announce_primary_and_reconnect();
     let beta_backend = ReplicatedBackend {
         shared: Arc::clone(beta),

@@ -94,12 +94,15 @@ pub struct FileBackend {
     behind: Arc<WriteBehind>,
     /// Large page-cache writes copied on a thread beside the connection's
     /// ([`FileBackend::write_beside`]): one at a time, in the order they came.
-    beside: tokio::sync::Semaphore,
+    beside: Arc<tokio::sync::Semaphore>,
     /// Bytes of writes handed to [`FileBackend::write_beside`] and not yet written.
     beside_backlog: Arc<AtomicUsize>,
     /// Writes copied beside the connection's thread, for tests that count them.
     #[cfg(test)]
     writes_beside: AtomicU64,
+    /// Copies beside that ended, counted on the copying thread, for tests.
+    #[cfg(test)]
+    copies_beside_ended: Arc<AtomicU64>,
     /// Non-blocking page-cache reads tried, for tests that count them.
     #[cfg(test)]
     nowait_tries: AtomicU64,
@@ -529,10 +532,12 @@ impl FileBackend {
             mapped_reads_off: AtomicBool::new(false),
             locks: RangeLocks::default(),
             dirty: Arc::new(DirtyTracker::default()),
-            beside: tokio::sync::Semaphore::new(1),
+            beside: Arc::new(tokio::sync::Semaphore::new(1)),
             beside_backlog: Arc::new(AtomicUsize::new(0)),
             #[cfg(test)]
             writes_beside: AtomicU64::new(0),
+            #[cfg(test)]
+            copies_beside_ended: Arc::new(AtomicU64::new(0)),
             lost: LostWriteback::default(),
             syncs: SyncsInFlight::default(),
             behind: Arc::new(WriteBehind::new()),
@@ -778,11 +783,13 @@ impl FileBackend {
     /// while this one is copied (nbdkit's threads overlap the two the same way).
     ///
     /// Measured reason (`bench/ab.py`, file export, fio sequential writes at QD8, 3
-    /// rounds, IOPS against the same binary writing on the connection's thread and
-    /// against nbdkit in the same run): 1 MiB 3,924 against 3,215 (nbdkit 3,531), 4 MiB
-    /// 903 against 833 (788), 32 MiB 101 against 101 (75). Written on its own thread,
-    /// a 1 MiB write cost the connection's thread all of a CPU: it received and copied
-    /// every byte twice.
+    /// rounds, IOPS against the binary before, which copied on the connection's thread,
+    /// and against nbdkit in the same run): 1 MiB 3,813 against 3,151 (nbdkit 3,185),
+    /// bench.py's seqwrite-1m 4,011 against 3,165 (3,412), 4 MiB 870 against 862 (748),
+    /// 32 MiB 104 against 103 (74), 256 KiB (not handed over) level. Copied on its own
+    /// thread, a 1 MiB write kept the connection's thread at all of a CPU receiving and
+    /// copying every byte. 4 connections × QD8 of 1 MiB writes: level (the backlog is the
+    /// export's, so most of their writes are copied on their own threads).
     ///
     /// The rules, each measured:
     /// - One write at a time ([`FileBackend::beside`]): ext4 takes the inode's lock for
@@ -793,7 +800,8 @@ impl FileBackend {
     ///   connection's thread, which meanwhile receives nothing. With no bound, the
     ///   connection received far ahead of the copy, whose source then came from memory
     ///   instead of the cache: the copy into the page cache took 25% of the samples
-    ///   against 9%, and 4 MiB writes fell to 664 IOPS, 32 MiB to 74.
+    ///   against 9%, and 4 MiB writes fell to 664 IOPS, 32 MiB to 74 (833 and 101
+    ///   copied on the connection's thread, 903 and 101 with the bound, in that run).
     /// - Only from [`WRITE_BESIDE_MIN`]: from 256 KiB, a 256 KiB write cost 108 µs of
     ///   CPU against 81 (the hand-off's wake-ups) at 10,728 IOPS against 12,119.
     /// - Handing a write over only when no other waited (no queue) gained nothing
@@ -806,15 +814,25 @@ impl FileBackend {
         place: BacklogPlace,
     ) -> Result<(), BackendError> {
         let length = data.len() as u64;
-        let turn = self.beside.acquire().await.ok();
+        let turn = Arc::clone(&self.beside)
+            .acquire_owned()
+            .await
+            .expect("the semaphore of writes beside is never closed");
         #[cfg(test)]
         self.writes_beside.fetch_add(1, Ordering::Relaxed);
+        #[cfg(test)]
+        let ended = Arc::clone(&self.copies_beside_ended);
+        // The turn and the place go with the copy: should this future be dropped, the copy
+        // still runs to its end, and no other starts beside it or counts it gone meanwhile.
         self.blocking("write", offset, length, move |file| {
             use std::os::unix::fs::FileExt;
-            file.write_all_at(&data, offset)
+            let written = file.write_all_at(&data, offset);
+            #[cfg(test)]
+            ended.fetch_add(1, Ordering::Release);
+            drop((turn, place));
+            written
         })
         .await?;
-        drop((turn, place));
         self.write_behind(length);
         self.dirty.mark();
         Ok(())
@@ -1020,8 +1038,9 @@ impl FileBackend {
     }
 }
 
-/// A write's place in the backlog of [`FileBackend::write_beside`], given back when
-/// dropped: when the write ends, and also should its future be dropped first.
+/// A write's place in the backlog of [`FileBackend::write_beside`] (one for the whole
+/// export), given back when dropped: when its copy ends, or when its future is dropped
+/// before the copy began.
 struct BacklogPlace {
     backlog: Arc<AtomicUsize>,
     length: usize,
@@ -1722,6 +1741,47 @@ mod tests {
             drop(unpolled);
             assert_eq!(queued(), 0, "{mode}: a dropped write gives its place back");
         }
+    }
+
+    /// A write beside whose future is dropped after the copy began: the copy runs to
+    /// its end, and its place in the backlog is given back only then (so whenever the
+    /// backlog reads empty, the data is all there), and the next write beside is not
+    /// held up.
+    #[test]
+    fn a_write_beside_dropped_while_copying_still_lands_and_gives_its_place_back() {
+        let big = WRITE_BESIDE_BACKLOG;
+        let (_dir, _path, b) = new_export(2 * big as u64, Some(CacheMode::Writeback));
+        block_on(async {
+            let mut write = Box::pin(b.write(0, Bytes::from(vec![7u8; big]).into(), false));
+            // Polled once (the copy is handed over), then dropped.
+            let pending = std::future::poll_fn(|cx| {
+                let polled = std::future::Future::poll(write.as_mut(), cx);
+                std::task::Poll::Ready(polled.is_pending())
+            })
+            .await;
+            assert!(pending, "an 8 MiB copy is still running");
+            drop(write);
+            assert_eq!(b.writes_beside.load(Ordering::Relaxed), 1);
+            // The place is held for as long as the copy runs.
+            let queued = b.beside_backlog.load(Ordering::Acquire);
+            let ended = b.copies_beside_ended.load(Ordering::Acquire);
+            assert!(queued == big || ended == 1, "place given back mid-copy");
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while b.beside_backlog.load(Ordering::Acquire) != 0 {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "place never given back"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+            }
+            let r = b.read(0, big).await.unwrap();
+            let landed = r.bytes().iter().filter(|&&x| x == 7).count();
+            assert_eq!(landed, big, "the backlog emptied before the copy ended");
+            b.write(big as u64, Bytes::from(vec![8u8; big]).into(), false)
+                .await
+                .unwrap();
+            assert_eq!(b.writes_beside.load(Ordering::Relaxed), 2);
+        });
     }
 
     #[test]

@@ -77,6 +77,9 @@ pub struct MemoryBackend {
     spare_pages: Mutex<Vec<PageBuf>>,
     /// Pages taken over from connections ([`PageStore::adopt_page`]).
     pages_adopted: AtomicU64,
+    /// Where the last write ended: a small write that starts there is copied plainly
+    /// ([`MemoryBackend::write_now`]).
+    last_write_end: AtomicU64,
 }
 
 impl MemoryBackend {
@@ -88,6 +91,7 @@ impl MemoryBackend {
             shards,
             spare_pages: Mutex::new(Vec::new()),
             pages_adopted: AtomicU64::new(0),
+            last_write_end: AtomicU64::new(u64::MAX),
         }
     }
 
@@ -169,11 +173,32 @@ impl MemoryBackend {
         }
     }
 
+    /// Copies a write into its pages. Into memory the CPU is not about to read, the copy
+    /// streams ([`super::stream_copy`]): every write but a small one that continues the
+    /// last, whose lines the CPU's prefetcher has already brought in.
+    ///
+    /// Measured reason (`bench/ab.py`, memory export, 3 rounds, against plain copies in
+    /// the same run; nbdkit-mem beside): 64 KiB sequential writes at QD8 78.5k against
+    /// 58.4k IOPS at 12.4 against 16.7 µs of server CPU a write (nbdkit 53.9k); 4 KiB
+    /// random writes at QD32 2.91 against 3.01 µs (another run: 2.84 against 3.35). A
+    /// plain copy of 4 KiB into a cold page read every line in first, and the lock's
+    /// release after it waited for those reads: 22% of the server's samples sat on that
+    /// release and 9% in `memmove`, against 22% in all with streaming stores. Streaming
+    /// every write cost 4 KiB sequential writes 3–8% (159.8k against 164.0k, and
+    /// 155.0k against 168.4k); kept plain, they are level (167.1k).
     fn write_now(&self, offset: u64, data: &[u8]) {
+        let end = offset + data.len() as u64;
+        let continues = self.last_write_end.swap(end, Ordering::Relaxed) == offset;
+        let stream = !continues || data.len() as u64 >= PAGE_SIZE;
         Self::for_each_piece(offset, data.len() as u64, |page, in_page, at, len| {
             let mut shard = self.shard(page).write().unwrap_or_else(|e| e.into_inner());
             let bytes = writable(shard.entry(page).or_insert_with(zero_page));
-            bytes[in_page..in_page + len].copy_from_slice(&data[at..at + len]);
+            let (into, from) = (&mut bytes[in_page..in_page + len], &data[at..at + len]);
+            if stream {
+                super::stream_copy::copy_streaming(into, from);
+            } else {
+                into.copy_from_slice(from);
+            }
         });
     }
 

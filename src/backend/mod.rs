@@ -69,6 +69,7 @@ pub mod page_pool;
 pub mod powercut;
 pub mod range_lock;
 pub mod splice;
+mod stream_copy;
 pub mod uring;
 
 use std::future::Future;

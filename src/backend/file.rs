@@ -1,9 +1,9 @@
 //! A backend over a regular file or a block device. Reads, writes and syncs go through an
 //! io_uring ([`super::uring`]), except in writeback mode, where writes without FUA are
 //! copied into the page cache on the calling thread (those of a megabyte or more on a
-//! thread beside it, while the connection receives the next), cached reads of a page or more are
-//! copied into the client's socket by the kernel straight from a mapping of the file
-//! ([`super::mapping`]) unless large ones are spliced into it without a copy
+//! thread beside it, while the connection receives the next), cached reads of a page or
+//! more are copied into the client's socket by the kernel straight from a mapping of the
+//! file ([`super::mapping`]) unless large ones are spliced into it without a copy
 //! ([`super::splice`]), and other reads are tried on the calling thread first. With
 //! `--cache=none` the file is opened `O_DIRECT` and requests that do not cover whole blocks
 //! are read-modify-written under a range lock ([`super::range_lock`]). TRIM punches holes

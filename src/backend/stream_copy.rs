@@ -14,7 +14,7 @@ pub fn copy_streaming(dst: &mut [u8], src: &[u8]) {
     {
         use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
         if dst.as_ptr() as usize % 16 == 0 {
-            let whole = dst.len() / 16 * 16;
+            let whole = dst.len() / 64 * 64;
             let (dst_whole, dst_tail) = dst.split_at_mut(whole);
             let (src_whole, src_tail) = src.split_at(whole);
             for (d, s) in dst_whole
@@ -23,8 +23,8 @@ pub fn copy_streaming(dst: &mut [u8], src: &[u8]) {
             {
                 // SAFETY: SSE2 is part of x86_64. `s` and `d` are 64 bytes each; the loads
                 // are unaligned loads of 16 bytes within `s`, and the stores write 16 bytes
-                // within `d`, whose start is 16-byte aligned (checked above, and `whole`
-                // keeps every chunk's start a multiple of 16 from it).
+                // within `d`, which starts a multiple of 64 bytes past `dst`'s 16-byte
+                // aligned start (checked above), as the aligned stores require.
                 unsafe {
                     let sp = s.as_ptr().cast::<__m128i>();
                     let dp = d.as_mut_ptr().cast::<__m128i>();
@@ -38,8 +38,6 @@ pub fn copy_streaming(dst: &mut [u8], src: &[u8]) {
                     _mm_stream_si128(dp.add(3), e);
                 }
             }
-            let done = whole / 64 * 64;
-            dst_whole[done..].copy_from_slice(&src_whole[done..]);
             dst_tail.copy_from_slice(src_tail);
             // SAFETY: SSE2 is part of x86_64; the fence orders the streaming stores before
             // every later store (the lock's release), so a reader that takes the lock next

@@ -822,11 +822,16 @@ impl FileBackend {
         self.writes_beside.fetch_add(1, Ordering::Relaxed);
         #[cfg(test)]
         let ended = Arc::clone(&self.copies_beside_ended);
-        // The turn and the place go with the copy: should this future be dropped, the copy
-        // still runs to its end, and no other starts beside it or counts it gone meanwhile.
+        // The turn, the place and the dirty mark go with the copy: should this future be
+        // dropped, the copy still runs to its end, no other starts beside it or counts it
+        // gone meanwhile, and the next FLUSH still syncs what it wrote.
+        let dirty = Arc::clone(&self.dirty);
         self.blocking("write", offset, length, move |file| {
             use std::os::unix::fs::FileExt;
             let written = file.write_all_at(&data, offset);
+            if written.is_ok() {
+                dirty.mark();
+            }
             #[cfg(test)]
             ended.fetch_add(1, Ordering::Release);
             drop((turn, place));
@@ -834,7 +839,6 @@ impl FileBackend {
         })
         .await?;
         self.write_behind(length);
-        self.dirty.mark();
         Ok(())
     }
 
@@ -1777,6 +1781,10 @@ mod tests {
             let r = b.read(0, big).await.unwrap();
             let landed = r.bytes().iter().filter(|&&x| x == 7).count();
             assert_eq!(landed, big, "the backlog emptied before the copy ended");
+            assert!(
+                b.dirty.sync_target().is_some(),
+                "the next FLUSH syncs what the dropped write copied"
+            );
             b.write(big as u64, Bytes::from(vec![8u8; big]).into(), false)
                 .await
                 .unwrap();

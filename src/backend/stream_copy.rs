@@ -39,10 +39,12 @@ pub fn copy_streaming(dst: &mut [u8], src: &[u8]) {
                 }
             }
             dst_tail.copy_from_slice(src_tail);
-            // SAFETY: SSE2 is part of x86_64; the fence orders the streaming stores before
-            // every later store (the lock's release), so a reader that takes the lock next
-            // sees the data.
-            unsafe { _mm_sfence() };
+            if whole > 0 {
+                // SAFETY: SSE2 is part of x86_64; the fence orders the streaming stores
+                // before every later store (the lock's release), so a reader that takes the
+                // lock next sees the data.
+                unsafe { _mm_sfence() };
+            }
             return;
         }
     }

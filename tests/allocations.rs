@@ -251,11 +251,12 @@ fn filled_memory_export(len: u64) -> Arc<dyn Backend> {
 /// with data (so reads find data, not holes), writes then reads, and fails if any count
 /// per request is over `bound`.
 fn hold_every_export_to(load: &Load, bound: f64) {
-    hold_every_export_to_kinds(load, &[Kind::Write, Kind::Read], bound);
+    hold_every_export_to_kinds(load, &[Kind::Write, Kind::Read], &|_, _| bound);
 }
 
-/// [`hold_every_export_to`] for the request kinds `kinds`.
-fn hold_every_export_to_kinds(load: &Load, kinds: &[Kind], bound: f64) {
+/// [`hold_every_export_to`] for the request kinds `kinds`, each export and kind held to
+/// `bound_for(export, kind)`.
+fn hold_every_export_to_kinds(load: &Load, kinds: &[Kind], bound_for: &dyn Fn(&str, Kind) -> f64) {
     // One test at a time, from before its exports are made: the counter is the whole
     // process's, and another test filling its exports meanwhile (a memory export allocates
     // each of its pages) was counted as this one's requests.
@@ -275,6 +276,7 @@ fn hold_every_export_to_kinds(load: &Load, kinds: &[Kind], bound: f64) {
             } else {
                 "random"
             };
+            let bound = bound_for(export, kind);
             let what = format!("{export}, {} B {order} {}s", load.size, kind.name());
             eprintln!("{what}: {per_request:.3} allocations per request (bound {bound})");
             if per_request > bound {
@@ -324,9 +326,19 @@ const LARGE: Load = Load {
 /// pages of each of a memory read's two pieces (now kept in a pool), the state a streamed
 /// read's pieces share (now kept by the pipeline), and the box of a page-cache read's
 /// later piece (now kept for the next): 0.001 to 0.010 per request.
+///
+/// But one: a page-cache write of 1 MiB or more is copied on tokio's blocking pool while
+/// the connection receives the next (`FileBackend::write_beside`, session 74: 1 MiB
+/// sequential writes 3,813 against 3,151 IOPS), and `spawn_blocking` allocates its task:
+/// 1.0 per such write, about 0.05 µs against the write's 300 µs of CPU. The bound for
+/// them leaves room for that one and fails on a second.
 #[test]
 fn large_requests_allocate_nothing_per_request() {
-    hold_every_export_to(&LARGE, 0.1);
+    let bound_for = |export: &str, kind: Kind| match (export, kind) {
+        ("page cache", Kind::Write) => 1.1,
+        _ => 0.1,
+    };
+    hold_every_export_to_kinds(&LARGE, &[Kind::Write, Kind::Read], &bound_for);
 }
 
 /// 32 sequential 4 KiB requests in flight, 40,000 counted: requests that arrive together
@@ -363,5 +375,5 @@ const COMMITS: Load = Load {
 /// was the export allocating its pages on first write; it is filled before counting.)
 #[test]
 fn commits_allocate_nothing_per_request() {
-    hold_every_export_to_kinds(&COMMITS, &[Kind::Commit], 0.1);
+    hold_every_export_to_kinds(&COMMITS, &[Kind::Commit], &|_, _| 0.1);
 }

@@ -806,6 +806,11 @@ impl FileBackend {
     ///   copied on the connection's thread, 903 and 101 with the bound, in that run).
     /// - Only from [`WRITE_BESIDE_MIN`]: from 256 KiB, a 256 KiB write cost 108 µs of
     ///   CPU against 81 (the hand-off's wake-ups) at 10,728 IOPS against 12,119.
+    /// - `spawn_blocking` allocates its task: one allocation per such write, the only
+    ///   one a large request makes (`tests/allocations.rs`). Through the ring instead
+    ///   (no allocation, and io-wq runs one file's buffered writes one at a time), 1 MiB
+    ///   writes were as fast (4,011 against 3,502 IOPS) but 4 MiB fell to 779 against
+    ///   893 and 32 MiB to 89 against 104.
     /// - Handing a write over only when no other waited (no queue) gained nothing
     ///   (1 MiB 3,022 against 2,965): the connection's own copy then waited on the
     ///   inode's lock.
@@ -1353,9 +1358,7 @@ impl Backend for FileBackend {
 
     fn write(&self, offset: u64, data: WriteData, fua: bool) -> BackendFuture<'_, ()> {
         if let Some(place) = self.place_beside(data.len(), fua) {
-            // Boxed, as the future of a write of a megabyte or more: the hot path's future
-            // has no room for it.
-            return inline_backend_future(Box::pin(self.write_beside(offset, data, place)));
+            return inline_backend_future(self.write_beside(offset, data, place));
         }
         inline_backend_future(async move {
             if let Some(done) = self.write_inline(offset, &data, fua) {

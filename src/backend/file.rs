@@ -114,12 +114,6 @@ pub struct FileBackend {
     /// device that stops taking discards later answers EOPNOTSUPP, which each caller
     /// handles.
     discards: Option<DiscardGranules>,
-    /// Whether the device zeroes ranges itself (`queue/write_zeroes_max_bytes` above 0),
-    /// read from sysfs once at open; else the kernel writes pages of zeroes for a
-    /// `fallocate`, which a fast WRITE_ZEROES must not wait for. False for a file, or
-    /// when sysfs cannot tell. (Until session 74 it was read for every fast
-    /// WRITE_ZEROES.)
-    zeroes_fast: bool,
     /// A test's device that discards as this says instead (every loop device here
     /// discards by 512 bytes from its start, and the VM's own disk is not a test's to
     /// touch).
@@ -522,11 +516,6 @@ impl FileBackend {
         let discards = block_device
             .then(|| DiscardGranules::of(&file, fallocate_block))
             .flatten();
-        let zeroes_fast = block_device
-            && rustix::fs::fstat(&file)
-                .ok()
-                .and_then(|stat| queue_attribute(stat.st_rdev, "write_zeroes_max_bytes"))
-                .is_some_and(|bytes| bytes > 0);
         Ok(FileBackend {
             path: path.to_path_buf(),
             file: Arc::new(file),
@@ -555,7 +544,6 @@ impl FileBackend {
             #[cfg(test)]
             nowait_tries: AtomicU64::new(0),
             discards,
-            zeroes_fast,
             #[cfg(test)]
             pretend_discards: std::sync::Mutex::new(None),
         })
@@ -590,6 +578,16 @@ impl FileBackend {
         let end = offset + length;
         let start = offset.next_multiple_of(block).min(end);
         (start, (end - end % block).max(start))
+    }
+
+    /// Whether the device zeroes ranges itself (`queue/write_zeroes_max_bytes` above 0 in
+    /// sysfs); else the kernel writes pages of zeroes for a `fallocate`. False when sysfs
+    /// cannot tell.
+    fn device_zeroes_fast(&self) -> bool {
+        rustix::fs::fstat(&*self.file)
+            .ok()
+            .and_then(|stat| queue_attribute(stat.st_rdev, "write_zeroes_max_bytes"))
+            .is_some_and(|bytes| bytes > 0)
     }
 
     /// How the device discards (`None` for a file, or a device that takes no discards).
@@ -1487,7 +1485,7 @@ impl Backend for FileBackend {
             // take); the ends are written. A device whose zeroing is not offloaded has the
             // kernel write pages of zeroes instead, which a fast zero must not wait for.
             let (start, end) = self.fallocate_range(offset, length);
-            if flags.fast && block_device && start < end && !self.zeroes_fast {
+            if flags.fast && block_device && start < end && !self.device_zeroes_fast() {
                 return Err(BackendError::fast_zero_refused(offset, length));
             }
             let held = self.lock_shared(offset, length).await;
@@ -1919,43 +1917,6 @@ mod tests {
                 .arg(&self.path)
                 .status();
         }
-    }
-
-    /// A device export knows at open whether the device zeroes ranges itself, as sysfs
-    /// says, and answers a fast WRITE_ZEROES by it: zeroed where the device zeroes,
-    /// refused (nothing written) where it does not. A file never zeroes fast this way.
-    #[test]
-    fn a_device_export_reads_at_open_whether_its_device_zeroes_fast() {
-        let (_dir, _path, file) = new_export(1 << 20, None);
-        assert!(!file.zeroes_fast);
-        let Some(device) = LoopDevice::attach() else {
-            eprintln!("skipped: no loop device (needs root and losetup)");
-            return;
-        };
-        let name = device.path.trim_start_matches("/dev/");
-        let sysfs =
-            std::fs::read_to_string(format!("/sys/block/{name}/queue/write_zeroes_max_bytes"))
-                .unwrap();
-        let zeroes = sysfs.trim().parse::<u64>().unwrap() > 0;
-        let b = FileBackend::open(Path::new(&device.path), None, false, None).unwrap();
-        assert_eq!(b.zeroes_fast, zeroes, "as sysfs says ({})", sysfs.trim());
-        block_on(async {
-            b.write(0, Bytes::from(vec![3u8; 65536]).into(), true)
-                .await
-                .unwrap();
-            let fast = ZeroFlags {
-                may_trim: false,
-                fast: true,
-                fua: true,
-            };
-            let answer = b.write_zeroes(4096, 8192, fast).await;
-            let r = b.read(0, 65536).await.unwrap();
-            let zeroed = r.bytes()[4096..12288].iter().all(|&x| x == 0);
-            assert_eq!(answer.is_ok(), zeroes, "{answer:?}");
-            assert_eq!(zeroed, zeroes, "zeroed only when the device zeroes fast");
-            assert!(r.bytes()[..4096].iter().all(|&x| x == 3));
-            assert!(r.bytes()[12288..].iter().all(|&x| x == 3));
-        });
     }
 
     #[test]

@@ -582,7 +582,10 @@ impl FileBackend {
 
     /// Whether the device zeroes ranges itself (`queue/write_zeroes_max_bytes` above 0 in
     /// sysfs); else the kernel writes pages of zeroes for a `fallocate`. False when sysfs
-    /// cannot tell.
+    /// cannot tell. Read for each fast WRITE_ZEROES, not once at open: a loop device
+    /// learns at its first zeroing that its file cannot zero ranges, and only then says so
+    /// (`tests/block_device.rs`, a fast zero on a device that cannot zero fast; read at
+    /// open, session 74, it answered that fast zero by writing zeroes).
     fn device_zeroes_fast(&self) -> bool {
         rustix::fs::fstat(&*self.file)
             .ok()

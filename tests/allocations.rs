@@ -341,6 +341,22 @@ fn large_requests_allocate_nothing_per_request() {
     hold_every_export_to_kinds(&LARGE, &[Kind::Write, Kind::Read], &bound_for);
 }
 
+/// 256 KiB requests, 8 in flight, 2,000 counted: page-cache writes this size are copied on
+/// the export's writer thread (`backend::beside`, session 75), whose queue keeps its
+/// capacity and whose completion slots are reused, so they allocate nothing either.
+const MID: Load = Load {
+    size: 256 << 10,
+    depth: 8,
+    sequential: false,
+    warm: 200,
+    counted: 2_000,
+};
+
+#[test]
+fn mid_sized_requests_allocate_nothing_per_request() {
+    hold_every_export_to(&MID, 0.1);
+}
+
 /// 32 sequential 4 KiB requests in flight, 40,000 counted: requests that arrive together
 /// are merged into one backend request (`--max-merge`), and each reply is a part of it.
 const SEQUENTIAL_SMALL: Load = Load {

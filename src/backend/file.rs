@@ -1,9 +1,9 @@
 //! A backend over a regular file or a block device. Reads, writes and syncs go through an
 //! io_uring ([`super::uring`]), except in writeback mode, where writes without FUA are
-//! copied into the page cache on the calling thread (those of a megabyte or more on a
-//! thread beside it, while the connection receives the next), cached reads of a page or
-//! more are copied into the client's socket by the kernel straight from a mapping of the
-//! file ([`super::mapping`]) unless large ones are spliced into it without a copy
+//! copied into the page cache on the calling thread (those of 256 KiB or more beside it,
+//! on the export's writer thread, [`super::beside`], or tokio's blocking pool, while the
+//! connection receives the next), cached reads of a page or more are copied into the
+//! client's socket by the kernel straight from a mapping of the file ([`super::mapping`]) unless large ones are spliced into it without a copy
 //! ([`super::splice`]), and other reads are tried on the calling thread first. With
 //! `--cache=none` the file is opened `O_DIRECT` and requests that do not cover whole blocks
 //! are read-modify-written under a range lock ([`super::range_lock`]). TRIM punches holes
@@ -23,6 +23,7 @@ use std::sync::{Arc, Mutex};
 use anyhow::{bail, Context};
 use rustix::fs::FallocateFlags;
 
+use super::beside::{Job, Writer};
 use super::mapping::Mapping;
 use super::range_lock::RangeLocks;
 use super::uring::Ring;
@@ -55,8 +56,12 @@ const ZERO_CHUNK: u64 = 1024 * 1024;
 /// The largest single read or write handed to the ring (its length field is 32 bits).
 const MAX_RING_IO: usize = 1 << 30;
 /// Page-cache writes of at least this many bytes are copied beside the connection's thread
-/// ([`FileBackend::write_beside`]); a streamed write's pieces are this long.
-const WRITE_BESIDE_MIN: usize = 1 << 20;
+/// ([`FileBackend::write_beside`]): on the export's writer thread ([`super::beside`]).
+const WRITE_BESIDE_MIN: usize = 256 << 10;
+/// Writes beside of at least this many bytes (a streamed write's pieces are this long,
+/// `WRITE_PIECE`) are copied on tokio's blocking pool instead, each once the one like it
+/// before has been copied.
+const WRITE_BESIDE_TURN: usize = 1 << 20;
 /// Most bytes of writes waiting for, or in, [`FileBackend::write_beside`].
 const WRITE_BESIDE_BACKLOG: usize = 8 << 20;
 
@@ -92,9 +97,12 @@ pub struct FileBackend {
     /// The syncs in flight ([`SyncsInFlight`]).
     syncs: SyncsInFlight,
     behind: Arc<WriteBehind>,
-    /// Large page-cache writes copied on a thread beside the connection's
-    /// ([`FileBackend::write_beside`]): one at a time, in the order they came.
-    beside: Arc<tokio::sync::Semaphore>,
+    /// The thread that copies page-cache writes from [`WRITE_BESIDE_MIN`] to below
+    /// [`WRITE_BESIDE_TURN`] beside the connections' threads
+    /// ([`FileBackend::write_beside`]), started with the first; `None` if it could not be.
+    writer: std::sync::OnceLock<Option<Writer<CopyBeside>>>,
+    /// The turn of the writes beside of [`WRITE_BESIDE_TURN`] or more: one at a time.
+    beside_turn: Arc<tokio::sync::Semaphore>,
     /// Bytes of writes handed to [`FileBackend::write_beside`] and not yet written.
     beside_backlog: Arc<AtomicUsize>,
     /// Writes copied beside the connection's thread, for tests that count them.
@@ -532,7 +540,8 @@ impl FileBackend {
             mapped_reads_off: AtomicBool::new(false),
             locks: RangeLocks::default(),
             dirty: Arc::new(DirtyTracker::default()),
-            beside: Arc::new(tokio::sync::Semaphore::new(1)),
+            writer: std::sync::OnceLock::new(),
+            beside_turn: Arc::new(tokio::sync::Semaphore::new(1)),
             beside_backlog: Arc::new(AtomicUsize::new(0)),
             #[cfg(test)]
             writes_beside: AtomicU64::new(0),
@@ -781,40 +790,55 @@ impl FileBackend {
         })
     }
 
-    /// Copies a large write into the page cache on a thread of tokio's blocking pool
-    /// instead of the connection's, so that the connection receives the next payload
-    /// while this one is copied (nbdkit's threads overlap the two the same way).
+    /// Copies a write of [`WRITE_BESIDE_MIN`] or more into the page cache beside the
+    /// connection's thread, so that the connection receives the next payload while this
+    /// one is copied (nbdkit's threads overlap the two the same way): below
+    /// [`WRITE_BESIDE_TURN`] on the export's writer thread ([`super::beside`]), from there
+    /// on tokio's blocking pool, one at a time.
     ///
     /// Measured reason (`bench/ab.py`, file export, fio sequential writes at QD8, 3
-    /// rounds, IOPS against the binary before, which copied on the connection's thread,
-    /// and against nbdkit in the same run): 1 MiB 3,813 against 3,151 (nbdkit 3,185),
-    /// bench.py's seqwrite-1m 4,011 against 3,165 (3,412), 4 MiB 870 against 862 (748),
-    /// 32 MiB 104 against 103 (74), 256 KiB (not handed over) level. Copied on its own
-    /// thread, a 1 MiB write kept the connection's thread at all of a CPU receiving and
-    /// copying every byte. 4 connections × QD8 of 1 MiB writes: level (the backlog is the
-    /// export's, so most of their writes are copied on their own threads).
+    /// rounds, IOPS against the binary before in the same run; RESULTS, "Session 74" and
+    /// "Session 75"): copied on its own thread, a 1 MiB write kept the connection's thread
+    /// at all of a CPU receiving and copying every byte. Beside it, 1 MiB 3,813 against
+    /// 3,151 (nbdkit 3,185), 4 MiB 870 against 862, 32 MiB level (session 74); on the
+    /// writer thread, 256 KiB 13,823 against 12,106 and 12,925 against 11,413 (nbdkit
+    /// 11,717 and 10,903), the other sizes level (session 75).
     ///
     /// The rules, each measured:
-    /// - One write at a time ([`FileBackend::beside`]): ext4 takes the inode's lock for
-    ///   each buffered write anyway, and unbounded, the pieces of 4 MiB writes ran on
-    ///   several threads at once at a quarter more CPU a request, and fewer IOPS than
-    ///   on the connection's thread.
+    /// - One write at a time on each path: ext4 takes the inode's lock for each buffered
+    ///   write anyway, and on several threads at once the pieces of 4 MiB writes cost a
+    ///   quarter more CPU a request, and were slower than on the connection's thread.
+    /// - Below 1 MiB, the writer thread, which drains its whole queue each time it wakes:
+    ///   `spawn_blocking` per write woke a pool thread for each and allocated its task,
+    ///   which at 256 KiB cost 123 µs of CPU a write against 80 copied inline, at 7,322
+    ///   IOPS against 12,320; the writer's queue took 256 KiB to 14,926.
+    /// - With the client's socket on bbr instead of cubic (this VM's loopback slow mode,
+    ///   RESULTS session 17), copies beside lose at every size they are made at: 256 KiB
+    ///   on the writer thread 8,796–9,059 against 11,813–12,531 inline, 1 MiB on the
+    ///   blocking pool 2,531 and 2,570 against 3,189 and 2,846 (fio by hand). The
+    ///   benchmark runs every socket on cubic, as netblk sets its own.
+    /// - Only from [`WRITE_BESIDE_MIN`]: 64 KiB writes on the writer thread lost (37,051
+    ///   against 39,537 IOPS inline, at 29.9 against 24.6 µs of CPU a write); 128 KiB
+    ///   writes were level (21,597 and 21,283 against 21,983 and 21,586, fio by hand) at
+    ///   a fifth more CPU; 256 and 512 KiB gained a quarter by hand (15,322 and 14,242
+    ///   against 11,747 and 11,641; 7,368 and 6,903 against 6,116 and 5,215).
+    /// - From [`WRITE_BESIDE_TURN`] (whole 1 MiB writes and the pieces of larger ones),
+    ///   the blocking pool, each write handed over only once the one before it was
+    ///   copied. On the writer thread, queued at once, 4 MiB writes fell to 822 against
+    ///   883 IOPS and 32 MiB to 97 against 102; queued one at a time there, 1 MiB fell to
+    ///   2,981 against 3,322 and 4 MiB to 805 against 844 at 9% more CPU a write. Why the
+    ///   writer thread loses at these sizes was not found.
     /// - At most [`WRITE_BESIDE_BACKLOG`] queued; a write beyond it is copied on the
     ///   connection's thread, which meanwhile receives nothing. With no bound, the
     ///   connection received far ahead of the copy, whose source then came from memory
     ///   instead of the cache: the copy into the page cache took 25% of the samples
     ///   against 9%, and 4 MiB writes fell to 664 IOPS, 32 MiB to 74 (833 and 101
     ///   copied on the connection's thread, 903 and 101 with the bound, in that run).
-    /// - Only from [`WRITE_BESIDE_MIN`]: from 256 KiB, a 256 KiB write cost 108 µs of
-    ///   CPU against 81 (the hand-off's wake-ups) at 10,728 IOPS against 12,119.
-    /// - `spawn_blocking` allocates its task: one allocation per such write, the only
-    ///   one a large request makes (`tests/allocations.rs`). Through the ring instead
-    ///   (no allocation, and io-wq runs one file's buffered writes one at a time), 1 MiB
-    ///   writes were as fast (4,011 against 3,502 IOPS) but 4 MiB fell to 779 against
-    ///   893 and 32 MiB to 89 against 104.
-    /// - Handing a write over only when no other waited (no queue) gained nothing
-    ///   (1 MiB 3,022 against 2,965): the connection's own copy then waited on the
-    ///   inode's lock.
+    /// - `spawn_blocking` allocates its task: one allocation per write of 1 MiB or more,
+    ///   the only one a large request makes (`tests/allocations.rs`). Through the ring
+    ///   instead (no allocation, and io-wq runs one file's buffered writes one at a
+    ///   time), 1 MiB writes were as fast but 4 MiB fell to 779 against 893 and 32 MiB to
+    ///   89 against 104.
     async fn write_beside(
         &self,
         offset: u64,
@@ -822,32 +846,53 @@ impl FileBackend {
         place: BacklogPlace,
     ) -> Result<(), BackendError> {
         let length = data.len() as u64;
-        let turn = Arc::clone(&self.beside)
-            .acquire_owned()
-            .await
-            .expect("the semaphore of writes beside is never closed");
         #[cfg(test)]
         self.writes_beside.fetch_add(1, Ordering::Relaxed);
-        #[cfg(test)]
-        let ended = Arc::clone(&self.copies_beside_ended);
         // The turn, the place and the dirty mark go with the copy: should this future be
         // dropped, the copy still runs to its end, no other starts beside it or counts it
         // gone meanwhile, and the next FLUSH still syncs what it wrote.
-        let dirty = Arc::clone(&self.dirty);
-        self.blocking("write", offset, length, move |file| {
-            use std::os::unix::fs::FileExt;
-            let written = file.write_all_at(&data, offset);
-            if written.is_ok() {
-                dirty.mark();
-            }
+        let mut copy = CopyBeside {
+            offset,
+            data,
+            dirty: Arc::clone(&self.dirty),
+            held: (None, place),
             #[cfg(test)]
-            ended.fetch_add(1, Ordering::Release);
-            drop((turn, place));
-            written
-        })
-        .await?;
+            ended: Arc::clone(&self.copies_beside_ended),
+        };
+        if length >= WRITE_BESIDE_TURN as u64 {
+            let turn = Arc::clone(&self.beside_turn).acquire_owned().await;
+            copy.held.0 = Some(turn.expect("the semaphore of writes beside is never closed"));
+            self.blocking("write", offset, length, move |file| copy.run(file))
+                .await?;
+        } else if let Some(writer) = self.writer() {
+            writer
+                .submit(copy)
+                .await
+                .map_err(|e| BackendError::io("write", offset, length, e))?;
+        } else {
+            copy.run(&self.file)
+                .map_err(|e| BackendError::io("write", offset, length, e))?;
+        }
         self.write_behind(length);
         Ok(())
+    }
+
+    /// The export's writer thread, started on first use; `None` if it could not be (its
+    /// writes are then copied on the connection's thread, as smaller ones are).
+    fn writer(&self) -> Option<&Writer<CopyBeside>> {
+        self.writer
+            .get_or_init(|| {
+                Writer::start(Arc::clone(&self.file), "netblk-writer")
+                    .inspect_err(|e| {
+                        tracing::warn!(
+                            "{}: no thread for copying large writes ({e}); they are copied \
+                             on the connections' threads",
+                            self.path.display()
+                        )
+                    })
+                    .ok()
+            })
+            .as_ref()
     }
 
     /// Counts `written` bytes toward [`WriteBehind`], and starts writeback of the file's
@@ -1047,6 +1092,32 @@ impl FileBackend {
                 std::io::Error::other(join.to_string()),
             )),
         }
+    }
+}
+
+/// A write for the export's writer thread ([`FileBackend::write_beside`]).
+struct CopyBeside {
+    offset: u64,
+    data: WriteData,
+    dirty: Arc<DirtyTracker>,
+    /// The write's turn (the largest only) and its place in the backlog, given back once
+    /// it is copied.
+    held: (Option<tokio::sync::OwnedSemaphorePermit>, BacklogPlace),
+    #[cfg(test)]
+    ended: Arc<AtomicU64>,
+}
+
+impl Job for CopyBeside {
+    fn run(self, file: &File) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        let written = file.write_all_at(&self.data, self.offset);
+        if written.is_ok() {
+            self.dirty.mark();
+        }
+        #[cfg(test)]
+        self.ended.fetch_add(1, Ordering::Release);
+        drop(self.held);
+        written
     }
 }
 
@@ -1704,14 +1775,18 @@ mod tests {
         assert!(FileBackend::open(&path, None, false, Some(CacheMode::Writeback)).is_ok());
     }
 
-    /// Page-cache writes of a megabyte or more are copied beside the connection's thread
-    /// while the backlog has room, and land; smaller ones, FUA ones, direct-I/O ones and
-    /// those beyond the backlog are copied as before, and land too. A write's place in
-    /// the backlog is given back when it ends, and when its future is dropped unpolled.
+    /// Page-cache writes of [`WRITE_BESIDE_MIN`] or more are copied beside the
+    /// connection's thread while the backlog has room, and land; smaller ones, FUA ones,
+    /// direct-I/O ones and those beyond the backlog are copied as before, and land too. A
+    /// write's place in the backlog is given back when it ends, and when its future is
+    /// dropped unpolled. Both sizes beside: those for the writer thread, and those for
+    /// the blocking pool ([`WRITE_BESIDE_TURN`]).
     #[test]
     fn large_page_cache_writes_are_copied_beside_within_a_bounded_backlog() {
-        let big = WRITE_BESIDE_MIN;
-        for mode in MODES {
+        for (big, mode) in [WRITE_BESIDE_MIN, WRITE_BESIDE_TURN]
+            .into_iter()
+            .flat_map(|big| MODES.map(|mode| (big, mode)))
+        {
             let (_dir, _path, b) = new_export(4 * big as u64, Some(mode));
             let beside = || b.writes_beside.load(Ordering::Relaxed);
             let queued = || b.beside_backlog.load(Ordering::Acquire);
@@ -1720,9 +1795,10 @@ mod tests {
                 b.write(0, Bytes::from(vec![1u8; big]).into(), false)
                     .await
                     .unwrap();
-                assert_eq!(beside(), expect_beside, "{mode}: a megabyte goes beside");
+                assert_eq!(beside(), expect_beside, "{mode}: {big} bytes go beside");
                 assert_eq!(queued(), 0, "{mode}: its place is given back");
-                b.write(big as u64, Bytes::from(vec![2u8; big / 2]).into(), false)
+                let small = WRITE_BESIDE_MIN / 2;
+                b.write(big as u64, Bytes::from(vec![2u8; small]).into(), false)
                     .await
                     .unwrap();
                 b.write(2 * big as u64, Bytes::from(vec![3u8; big]).into(), true)
@@ -1740,8 +1816,8 @@ mod tests {
                 let r = b.read(0, 4 * big).await.unwrap();
                 let bytes = r.bytes();
                 assert!(bytes[..big].iter().all(|&x| x == 1), "{mode}");
-                assert!(bytes[big..big + big / 2].iter().all(|&x| x == 2), "{mode}");
-                assert!(bytes[big + big / 2..2 * big].iter().all(|&x| x == 0));
+                assert!(bytes[big..big + small].iter().all(|&x| x == 2), "{mode}");
+                assert!(bytes[big + small..2 * big].iter().all(|&x| x == 0));
                 assert!(bytes[2 * big..3 * big].iter().all(|&x| x == 3), "{mode}");
                 assert!(bytes[3 * big..].iter().all(|&x| x == 4), "{mode}");
             });
@@ -1759,7 +1835,13 @@ mod tests {
     /// held up.
     #[test]
     fn a_write_beside_dropped_while_copying_still_lands_and_gives_its_place_back() {
-        let big = WRITE_BESIDE_BACKLOG;
+        // The blocking pool's size, then the writer thread's.
+        for big in [WRITE_BESIDE_BACKLOG, WRITE_BESIDE_TURN - 4096] {
+            dropped_write_beside_lands(big);
+        }
+    }
+
+    fn dropped_write_beside_lands(big: usize) {
         let (_dir, _path, b) = new_export(2 * big as u64, Some(CacheMode::Writeback));
         block_on(async {
             let mut write = Box::pin(b.write(0, Bytes::from(vec![7u8; big]).into(), false));
@@ -1769,7 +1851,11 @@ mod tests {
                 std::task::Poll::Ready(polled.is_pending())
             })
             .await;
-            assert!(pending, "an 8 MiB copy is still running");
+            // An 8 MiB copy is still running; a smaller one has at least been queued.
+            assert!(
+                pending || big < WRITE_BESIDE_TURN,
+                "an 8 MiB copy is still running"
+            );
             drop(write);
             assert_eq!(b.writes_beside.load(Ordering::Relaxed), 1);
             // The place is held for as long as the copy runs.

@@ -62,6 +62,7 @@ macro_rules! pass_to_inner {
 pub(crate) use pass_to_inner;
 
 mod answer;
+mod beside;
 pub mod file;
 pub mod mapping;
 pub mod memory;

@@ -801,8 +801,8 @@ impl FileBackend {
     /// "Session 75"): copied on its own thread, a 1 MiB write kept the connection's thread
     /// at all of a CPU receiving and copying every byte. Beside it, 1 MiB 3,813 against
     /// 3,151 (nbdkit 3,185), 4 MiB 870 against 862, 32 MiB level (session 74); on the
-    /// writer thread, 256 KiB 13,823 against 12,106 and 12,925 against 11,413 (nbdkit
-    /// 11,717 and 10,903), the other sizes level (session 75).
+    /// writer thread, 256 KiB 13,601 against 11,808 (nbdkit 11,500), the other sizes
+    /// level (session 75).
     ///
     /// The rules, each measured:
     /// - One write at a time on each path: ext4 takes the inode's lock for each buffered

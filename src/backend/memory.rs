@@ -187,8 +187,12 @@ impl MemoryBackend {
     /// every write cost 4 KiB sequential writes 3–8% (159.8k against 164.0k, and
     /// 155.0k against 168.4k); kept plain, they are level (167.1k).
     fn write_now(&self, offset: u64, data: &[u8]) {
+        // A plain load and store, not a swap: when connections race, the worst is a wrong
+        // guess (a copy streamed or not); a swap is a locked instruction on a line that
+        // every connection shares, on every write.
         let end = offset + data.len() as u64;
-        let continues = self.last_write_end.swap(end, Ordering::Relaxed) == offset;
+        let continues = self.last_write_end.load(Ordering::Relaxed) == offset;
+        self.last_write_end.store(end, Ordering::Relaxed);
         let stream = !continues || data.len() as u64 >= PAGE_SIZE;
         Self::for_each_piece(offset, data.len() as u64, |page, in_page, at, len| {
             let mut shard = self.shard(page).write().unwrap_or_else(|e| e.into_inner());

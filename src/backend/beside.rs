@@ -218,6 +218,13 @@ mod tests {
         }
     }
 
+    fn block_on<F: Future>(future: F) -> F::Output {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        runtime.block_on(future)
+    }
+
     fn temp_file() -> (tempfile::TempDir, Arc<File>) {
         let dir = tempfile::tempdir().unwrap();
         let file = File::options()
@@ -242,10 +249,7 @@ mod tests {
             byte: at as u8 + 1,
             order: Arc::clone(&order),
         };
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .build()
-            .unwrap();
-        runtime.block_on(async {
+        block_on(async {
             let futures: Vec<Copied<Mark>> = (0..100).map(|at| writer.submit(mark(at))).collect();
             let mut futures = futures.into_iter();
             drop(futures.next()); // the first, dropped before it ran or while
@@ -264,43 +268,28 @@ mod tests {
     /// the writer goes on with the next.
     #[test]
     fn a_failed_or_panicking_copy_fails_only_its_own_future() {
-        struct Fails;
-        impl Job for Fails {
-            fn run(self, _: &File) -> io::Result<()> {
-                Err(io::Error::from_raw_os_error(libc::ENOSPC))
-            }
-        }
-        struct Panics;
-        impl Job for Panics {
-            fn run(self, _: &File) -> io::Result<()> {
-                panic!("a copy that panics (expected by this test)")
-            }
-        }
-        enum Either {
-            Fails(Fails),
-            Panics(Panics),
+        enum Outcome {
+            Fails,
+            Panics,
             Works,
         }
-        impl Job for Either {
-            fn run(self, file: &File) -> io::Result<()> {
+        impl Job for Outcome {
+            fn run(self, _: &File) -> io::Result<()> {
                 match self {
-                    Either::Fails(c) => c.run(file),
-                    Either::Panics(c) => c.run(file),
-                    Either::Works => Ok(()),
+                    Outcome::Fails => Err(io::Error::from_raw_os_error(libc::ENOSPC)),
+                    Outcome::Panics => panic!("a copy that panics (expected by this test)"),
+                    Outcome::Works => Ok(()),
                 }
             }
         }
         let (_dir, file) = temp_file();
         let writer = Writer::start(file, "test-writer").unwrap();
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .build()
-            .unwrap();
-        runtime.block_on(async {
-            let failed = writer.submit(Either::Fails(Fails)).await.unwrap_err();
+        block_on(async {
+            let failed = writer.submit(Outcome::Fails).await.unwrap_err();
             assert_eq!(failed.raw_os_error(), Some(libc::ENOSPC));
-            let panicked = writer.submit(Either::Panics(Panics)).await.unwrap_err();
+            let panicked = writer.submit(Outcome::Panics).await.unwrap_err();
             assert!(panicked.to_string().contains("panicked"), "{panicked}");
-            writer.submit(Either::Works).await.unwrap();
+            writer.submit(Outcome::Works).await.unwrap();
         });
     }
 
@@ -317,10 +306,7 @@ mod tests {
         }
         let (_dir, file) = temp_file();
         let writer = Writer::start(file, "test-writer").unwrap();
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .build()
-            .unwrap();
-        runtime.block_on(async {
+        block_on(async {
             let mut first: Option<*const Slot> = None;
             let mut reused = 0;
             for _ in 0..200 {

@@ -4,6 +4,11 @@
 //! a run of writes costs one wake-up, not one each, and completion slots that are reused,
 //! so that a write allocates nothing.
 //!
+//! A write whose future is dropped before the thread reaches it (its connection went) is
+//! skipped: it was never answered, and should the client retry it on another connection
+//! and have that answered, the stale copy must not land over it later. One the thread has
+//! begun runs to its end.
+//!
 //! Why a thread of its own rather than tokio's blocking pool, and which writes go to it, is
 //! measured in [`super::file::FileBackend`]'s `write_beside`.
 
@@ -53,6 +58,8 @@ struct Slot {
 struct SlotState {
     result: Option<io::Result<()>>,
     waker: Option<Waker>,
+    /// The future was dropped before its result came: skip the copy if not yet begun.
+    abandoned: bool,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -82,7 +89,8 @@ impl<C: Job> Writer<C> {
     }
 
     /// Queues `copy` behind those queued before it. The future is ready with the copy's
-    /// result once it ran; dropping the future does not stop or undo the copy.
+    /// result once it ran. Dropping the future before the copy began skips it (it is
+    /// dropped unrun); after, the copy runs to its end.
     pub fn submit(&self, copy: C) -> Copied<C> {
         let slot = lock(&self.shared.spare_slots).pop().unwrap_or_default();
         let mut state = lock(&self.shared.state);
@@ -128,6 +136,9 @@ impl<C: Job> Shared<C> {
                 std::mem::swap(&mut state.queue, &mut batch);
             }
             for (copy, slot) in batch.drain(..) {
+                if lock(&slot.state).abandoned {
+                    continue;
+                }
                 let result =
                     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| copy.run(file)))
                         .unwrap_or_else(|_| {
@@ -159,32 +170,12 @@ pub struct Copied<C: Job> {
     shared: Arc<Shared<C>>,
 }
 
-impl<C: Job> Future for Copied<C> {
-    type Output = io::Result<()>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let Some(slot) = self.slot.as_ref() else {
-            return Poll::Ready(Err(io::Error::other("a copy's result was taken twice")));
-        };
-        let mut state = lock(&slot.state);
-        if let Some(result) = state.result.take() {
-            return Poll::Ready(result);
-        }
-        match &state.waker {
-            Some(waker) if waker.will_wake(cx.waker()) => {}
-            _ => state.waker = Some(cx.waker().clone()),
-        }
-        Poll::Pending
-    }
-}
-
-impl<C: Job> Drop for Copied<C> {
-    fn drop(&mut self) {
-        // Reused only once the writer let go of it (its copy ran); else it is freed.
-        let Some(mut slot) = self.slot.take() else {
-            return;
-        };
+impl<C: Job> Copied<C> {
+    /// Lets go of the slot: back to the spares once the writer let go of it too (its copy
+    /// ran); else marked abandoned, so that a copy not yet begun is skipped.
+    fn let_go(&self, mut slot: Arc<Slot>) {
         let Some(unshared) = Arc::get_mut(&mut slot) else {
+            lock(&slot.state).abandoned = true;
             return;
         };
         *unshared
@@ -194,6 +185,39 @@ impl<C: Job> Drop for Copied<C> {
         let mut spares = lock(&self.shared.spare_slots);
         if spares.len() < SPARE_SLOTS {
             spares.push(slot);
+        }
+    }
+}
+
+impl<C: Job> Future for Copied<C> {
+    type Output = io::Result<()>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let Some(slot) = self.slot.as_ref() else {
+            return Poll::Ready(Err(io::Error::other("a copy polled after its result")));
+        };
+        let result = {
+            let mut state = lock(&slot.state);
+            let Some(result) = state.result.take() else {
+                match &state.waker {
+                    Some(waker) if waker.will_wake(cx.waker()) => {}
+                    _ => state.waker = Some(cx.waker().clone()),
+                }
+                return Poll::Pending;
+            };
+            result
+        };
+        if let Some(slot) = self.slot.take() {
+            self.let_go(slot);
+        }
+        Poll::Ready(result)
+    }
+}
+
+impl<C: Job> Drop for Copied<C> {
+    fn drop(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            self.let_go(slot);
         }
     }
 }
@@ -237,10 +261,9 @@ mod tests {
         (dir, Arc::new(file))
     }
 
-    /// Copies run in the order they were queued, each future sees its own result, and a
-    /// future dropped unpolled does not stop its copy.
+    /// Copies run in the order they were queued, and each future sees its own result.
     #[test]
-    fn copies_run_in_order_and_land_even_when_their_future_is_dropped() {
+    fn copies_run_in_order() {
         let (_dir, file) = temp_file();
         let writer = Writer::start(Arc::clone(&file), "test-writer").unwrap();
         let order = Arc::new(Mutex::new(Vec::new()));
@@ -251,8 +274,6 @@ mod tests {
         };
         block_on(async {
             let futures: Vec<Copied<Mark>> = (0..100).map(|at| writer.submit(mark(at))).collect();
-            let mut futures = futures.into_iter();
-            drop(futures.next()); // the first, dropped before it ran or while
             for copied in futures {
                 copied.await.unwrap();
             }
@@ -262,6 +283,70 @@ mod tests {
         use std::os::unix::fs::FileExt;
         file.read_exact_at(&mut bytes, 0).unwrap();
         assert_eq!(bytes, (1..=100).collect::<Vec<u8>>());
+    }
+
+    /// A copy whose future is dropped while it waits in the queue is skipped (dropped
+    /// unrun), and the next runs; one whose future is dropped after it began runs to its
+    /// end.
+    #[test]
+    fn a_copy_dropped_before_it_began_is_skipped_and_one_begun_runs_to_its_end() {
+        use std::sync::mpsc::{channel, Receiver, Sender};
+        /// Says it began, then waits for the gate, then counts itself run.
+        struct Gated {
+            began: Sender<()>,
+            gate: Receiver<()>,
+            ran: Arc<AtomicUsize>,
+            dropped: Arc<AtomicUsize>,
+        }
+        impl Job for Gated {
+            fn run(self, _: &File) -> io::Result<()> {
+                let _ = self.began.send(());
+                let _ = self.gate.recv();
+                self.ran.fetch_add(1, Ordering::SeqCst);
+                Ok(())
+            }
+        }
+        impl Drop for Gated {
+            fn drop(&mut self) {
+                self.dropped.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let (_dir, file) = temp_file();
+        let writer = Writer::start(file, "test-writer").unwrap();
+        let (ran, dropped) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let gated = || {
+            let (began_tx, began_rx) = channel();
+            let (gate_tx, gate_rx) = channel();
+            let job = Gated {
+                began: began_tx,
+                gate: gate_rx,
+                ran: Arc::clone(&ran),
+                dropped: Arc::clone(&dropped),
+            };
+            (job, began_rx, gate_tx)
+        };
+        let (first, first_began, open_first) = gated();
+        let (second, _second_began, open_second) = gated();
+        let (third, _third_began, open_third) = gated();
+        block_on(async {
+            let first = writer.submit(first);
+            first_began.recv().unwrap();
+            let second = writer.submit(second);
+            let third = writer.submit(third);
+            // The first has begun: dropped, it still runs to its end. The second waits
+            // behind it: dropped, it is skipped.
+            drop(first);
+            drop(second);
+            drop((open_second, open_third));
+            open_first.send(()).unwrap();
+            third.await.unwrap();
+        });
+        assert_eq!(ran.load(Ordering::SeqCst), 2, "the first and the third ran");
+        assert_eq!(
+            dropped.load(Ordering::SeqCst),
+            3,
+            "every job was dropped once"
+        );
     }
 
     /// A failed copy's error reaches its future, a panicking copy fails only itself, and

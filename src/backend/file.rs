@@ -3,8 +3,8 @@
 //! copied into the page cache on the calling thread (those of 256 KiB or more beside it,
 //! on the export's writer thread, [`super::beside`], or tokio's blocking pool, while the
 //! connection receives the next), cached reads of a page or more are copied into the
-//! client's socket by the kernel straight from a mapping of the file ([`super::mapping`]) unless large ones are spliced into it without a copy
-//! ([`super::splice`]), and other reads are tried on the calling thread first. With
+//! client's socket by the kernel straight from a mapping of the file ([`super::mapping`])
+//! unless large ones are spliced into it without a copy ([`super::splice`]), and other reads are tried on the calling thread first. With
 //! `--cache=none` the file is opened `O_DIRECT` and requests that do not cover whole blocks
 //! are read-modify-written under a range lock ([`super::range_lock`]). TRIM punches holes
 //! (on a device: `BLKDISCARD`), WRITE_ZEROES uses `fallocate`, block status comes from
@@ -849,8 +849,9 @@ impl FileBackend {
         #[cfg(test)]
         self.writes_beside.fetch_add(1, Ordering::Relaxed);
         // The turn, the place and the dirty mark go with the copy: should this future be
-        // dropped, the copy still runs to its end, no other starts beside it or counts it
-        // gone meanwhile, and the next FLUSH still syncs what it wrote.
+        // dropped once the copy began, it still runs to its end, no other starts beside it
+        // or counts it gone meanwhile, and the next FLUSH still syncs what it wrote. On
+        // the writer thread, a copy not yet begun is skipped instead (`super::beside`).
         let mut copy = CopyBeside {
             offset,
             data,
@@ -1832,7 +1833,8 @@ mod tests {
     /// A write beside whose future is dropped after the copy began: the copy runs to
     /// its end, and its place in the backlog is given back only then (so whenever the
     /// backlog reads empty, the data is all there), and the next write beside is not
-    /// held up.
+    /// held up. On the writer thread, a copy not yet begun is skipped instead: never
+    /// torn, and its place given back.
     #[test]
     fn a_write_beside_dropped_while_copying_still_lands_and_gives_its_place_back() {
         // The blocking pool's size, then the writer thread's.
@@ -1851,17 +1853,19 @@ mod tests {
                 std::task::Poll::Ready(polled.is_pending())
             })
             .await;
-            // An 8 MiB copy is still running; a smaller one has at least been queued.
-            assert!(
-                pending || big < WRITE_BESIDE_TURN,
-                "an 8 MiB copy is still running"
-            );
+            // The blocking pool's copy (8 MiB) has begun and is still running; the writer
+            // thread's may not have begun, and is then skipped.
+            let begun = big >= WRITE_BESIDE_TURN;
+            assert!(pending || !begun, "an 8 MiB copy is still running");
             drop(write);
             assert_eq!(b.writes_beside.load(Ordering::Relaxed), 1);
-            // The place is held for as long as the copy runs.
+            // The place is held for as long as a begun copy runs.
             let queued = b.beside_backlog.load(Ordering::Acquire);
             let ended = b.copies_beside_ended.load(Ordering::Acquire);
-            assert!(queued == big || ended == 1, "place given back mid-copy");
+            assert!(
+                queued == big || ended == 1 || !begun,
+                "place given back mid-copy"
+            );
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
             while b.beside_backlog.load(Ordering::Acquire) != 0 {
                 assert!(
@@ -1872,11 +1876,17 @@ mod tests {
             }
             let r = b.read(0, big).await.unwrap();
             let landed = r.bytes().iter().filter(|&&x| x == 7).count();
-            assert_eq!(landed, big, "the backlog emptied before the copy ended");
-            assert!(
-                b.dirty.sync_target().is_some(),
-                "the next FLUSH syncs what the dropped write copied"
-            );
+            if begun {
+                assert_eq!(landed, big, "the backlog emptied before the copy ended");
+            } else {
+                assert!(landed == 0 || landed == big, "skipped or whole: {landed}");
+            }
+            if landed == big {
+                assert!(
+                    b.dirty.sync_target().is_some(),
+                    "the next FLUSH syncs what the dropped write copied"
+                );
+            }
             b.write(big as u64, Bytes::from(vec![8u8; big]).into(), false)
                 .await
                 .unwrap();

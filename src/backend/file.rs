@@ -4,8 +4,9 @@
 //! on the export's writer thread, [`super::beside`], or tokio's blocking pool, while the
 //! connection receives the next), cached reads of a page or more are copied into the
 //! client's socket by the kernel straight from a mapping of the file ([`super::mapping`])
-//! unless large ones are spliced into it without a copy ([`super::splice`]), and other reads are tried on the calling thread first. With
-//! `--cache=none` the file is opened `O_DIRECT` and requests that do not cover whole blocks
+//! unless large ones are spliced into it without a copy ([`super::splice`]), and other
+//! reads are tried on the calling thread first. With `--cache=none` the file is opened
+//! `O_DIRECT` and requests that do not cover whole blocks
 //! are read-modify-written under a range lock ([`super::range_lock`]). TRIM punches holes
 //! (on a device: `BLKDISCARD`), WRITE_ZEROES uses `fallocate`, block status comes from
 //! `SEEK_DATA`/`SEEK_HOLE`, FUA writes are a write and a sync (in page-cache mode a sync of

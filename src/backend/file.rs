@@ -6,13 +6,13 @@
 //! client's socket by the kernel straight from a mapping of the file ([`super::mapping`])
 //! unless large ones are spliced into it without a copy ([`super::splice`]), and other
 //! reads are tried on the calling thread first. With `--cache=none` the file is opened
-//! `O_DIRECT` and requests that do not cover whole blocks
-//! are read-modify-written under a range lock ([`super::range_lock`]). TRIM punches holes
-//! (on a device: `BLKDISCARD`), WRITE_ZEROES uses `fallocate`, block status comes from
-//! `SEEK_DATA`/`SEEK_HOLE`, FUA writes are a write and a sync (in page-cache mode a sync of
-//! the write's range), and FLUSH syncs only when a write completed since the last sync, answering only
-//! once the syncs beside it ended ([`SyncsInFlight`]; and fails for good once a sync
-//! failed: [`LostWriteback`]).
+//! `O_DIRECT` and requests that do not cover whole blocks are read-modify-written under a
+//! range lock ([`super::range_lock`]). TRIM punches holes (on a device: `BLKDISCARD`),
+//! WRITE_ZEROES uses `fallocate`, block status comes from `SEEK_DATA`/`SEEK_HOLE`, FUA
+//! writes are a write and a sync (in page-cache mode a sync of the write's range), and
+//! FLUSH syncs only when a write completed since the last sync, answering only once the
+//! syncs beside it ended ([`SyncsInFlight`]; and fails for good once a sync failed:
+//! [`LostWriteback`]).
 
 use std::fs::{File, OpenOptions};
 use std::io::{Seek, SeekFrom};

@@ -25,6 +25,7 @@ use anyhow::{bail, Context};
 use rustix::fs::FallocateFlags;
 
 use super::beside::{Job, Writer};
+use super::copy_order::{self, QueuedCopies};
 use super::mapping::Mapping;
 use super::range_lock::RangeLocks;
 use super::uring::Ring;
@@ -106,6 +107,8 @@ pub struct FileBackend {
     beside_turn: Arc<tokio::sync::Semaphore>,
     /// Bytes of writes handed to [`FileBackend::write_beside`] and not yet written.
     beside_backlog: Arc<AtomicUsize>,
+    /// Those writes, in order of arrival, for later changes over them to wait for.
+    queued_copies: Arc<QueuedCopies>,
     /// Writes copied beside the connection's thread, for tests that count them.
     #[cfg(test)]
     writes_beside: AtomicU64,
@@ -544,6 +547,7 @@ impl FileBackend {
             writer: std::sync::OnceLock::new(),
             beside_turn: Arc::new(tokio::sync::Semaphore::new(1)),
             beside_backlog: Arc::new(AtomicUsize::new(0)),
+            queued_copies: Arc::default(),
             #[cfg(test)]
             writes_beside: AtomicU64::new(0),
             #[cfg(test)]
@@ -775,8 +779,9 @@ impl FileBackend {
     }
 
     /// Takes a place in the backlog of [`FileBackend::write_beside`] for a page-cache
-    /// write of `length` bytes, when the write is that large and the backlog has room.
-    fn place_beside(&self, length: usize, fua: bool) -> Option<BacklogPlace> {
+    /// write of `length` bytes at `offset`, when the write is that large and the backlog
+    /// has room, and registers its copy in the order of arrival ([`super::copy_order`]).
+    fn place_beside(&self, offset: u64, length: usize, fua: bool) -> Option<BacklogPlace> {
         if self.cache != CacheMode::Writeback || fua || length < WRITE_BESIDE_MIN {
             return None;
         }
@@ -788,6 +793,7 @@ impl FileBackend {
         Some(BacklogPlace {
             backlog: Arc::clone(&self.beside_backlog),
             length,
+            registered: self.queued_copies.register(offset, offset + length as u64),
         })
     }
 
@@ -861,6 +867,8 @@ impl FileBackend {
             #[cfg(test)]
             ended: Arc::clone(&self.copies_beside_ended),
         };
+        // Before the turn: a copy that came earlier may itself wait for it.
+        copy.held.1.registered.wait_for_earlier().await;
         if length >= WRITE_BESIDE_TURN as u64 {
             let turn = Arc::clone(&self.beside_turn).acquire_owned().await;
             copy.held.0 = Some(turn.expect("the semaphore of writes beside is never closed"));
@@ -1124,11 +1132,12 @@ impl Job for CopyBeside {
 }
 
 /// A write's place in the backlog of [`FileBackend::write_beside`] (one for the whole
-/// export), given back when dropped: when its copy ends, or when its future is dropped
-/// before the copy began.
+/// export) and in the order of arrival ([`super::copy_order`]), given back when dropped:
+/// when its copy ends, or when its future is dropped before the copy began.
 struct BacklogPlace {
     backlog: Arc<AtomicUsize>,
     length: usize,
+    registered: copy_order::Registered,
 }
 
 impl Drop for BacklogPlace {
@@ -1431,14 +1440,15 @@ impl Backend for FileBackend {
     }
 
     fn write(&self, offset: u64, data: WriteData, fua: bool) -> BackendFuture<'_, ()> {
-        if let Some(place) = self.place_beside(data.len(), fua) {
+        if let Some(place) = self.place_beside(offset, data.len(), fua) {
             return inline_backend_future(self.write_beside(offset, data, place));
         }
         inline_backend_future(async move {
+            let length = data.len() as u64;
+            self.queued_copies.wait_for(offset, offset + length).await;
             if let Some(done) = self.write_inline(offset, &data, fua) {
                 return done;
             }
-            let length = data.len() as u64;
             if self.cache == CacheMode::Writeback {
                 // A FUA write (the rest took the path above).
                 return self.fua_write_to_page_cache(offset, data).await;
@@ -1470,8 +1480,14 @@ impl Backend for FileBackend {
         fua: bool,
     ) -> Option<Result<(), BackendError>> {
         // A write without FUA in writeback mode is a copy into the page cache; `write`
-        // takes this path too.
-        if self.cache != CacheMode::Writeback || fua {
+        // takes this path too. Over a copy still queued beside, it is made after that
+        // copy, by `write`.
+        if self.cache != CacheMode::Writeback
+            || fua
+            || self
+                .queued_copies
+                .any_over(offset, offset + data.len() as u64)
+        {
             return None;
         }
         Some(
@@ -1491,6 +1507,7 @@ impl Backend for FileBackend {
 
     fn trim(&self, offset: u64, length: u64, fua: bool) -> BackendFuture<'_, ()> {
         backend_future(async move {
+            self.queued_copies.wait_for(offset, offset + length).await;
             let _held = self.lock_shared(offset, length).await;
             // A device discards whole blocks only; the rest of the range keeps its data,
             // which TRIM allows.
@@ -1529,6 +1546,7 @@ impl Backend for FileBackend {
         };
         backend_future(async move {
             let range_end = offset + length;
+            self.queued_copies.wait_for(offset, range_end).await;
             let (start, end) = granules.within(offset, length);
             if start < end {
                 let held = self.lock_shared(start, end - start).await;
@@ -1564,6 +1582,7 @@ impl Backend for FileBackend {
             if flags.fast && block_device && start < end && !self.device_zeroes_fast() {
                 return Err(BackendError::fast_zero_refused(offset, length));
             }
+            self.queued_copies.wait_for(offset, offset + length).await;
             let held = self.lock_shared(offset, length).await;
             let zeroed = start == end
                 || self
@@ -1893,6 +1912,68 @@ mod tests {
                 .unwrap();
             assert_eq!(b.writes_beside.load(Ordering::Relaxed), 2);
         });
+    }
+
+    /// A change received after a write beside that overlaps it lands after it, whichever
+    /// path each takes: an inline write waits (it declines `write_inline`, and `write`
+    /// waits for the copy), as do a TRIM, a zeroing and a later write beside on the other
+    /// path. Before (review, session 75), a small write made at once on its own thread was
+    /// overwritten by the earlier copy still queued beside.
+    #[test]
+    fn a_change_over_a_queued_copy_lands_after_it() {
+        let (_dir, _path, b) = new_export(4 << 20, Some(CacheMode::Writeback));
+        let poll_once = |f: &mut std::pin::Pin<Box<BackendFuture<'_, ()>>>| {
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            f.as_mut().poll(&mut cx).is_ready()
+        };
+        use std::future::Future;
+        let later_changes: [(&str, usize); 5] = [
+            ("inline write", 4096),
+            ("write beside (writer thread)", WRITE_BESIDE_MIN),
+            ("write beside (blocking pool)", WRITE_BESIDE_TURN),
+            ("trim", 0),
+            ("zeroing", 0),
+        ];
+        for (first_size, (what, size)) in [WRITE_BESIDE_MIN, WRITE_BESIDE_TURN]
+            .into_iter()
+            .flat_map(|first| later_changes.map(|later| (first, later)))
+        {
+            // Received first, not yet handed to its thread.
+            let first = Box::pin(b.write(0, Bytes::from(vec![1u8; first_size]).into(), false));
+            let at = 4096u64;
+            let mut later: std::pin::Pin<Box<BackendFuture<'_, ()>>> = match what {
+                "trim" => Box::pin(b.trim(at, 65536, false)),
+                "zeroing" => Box::pin(b.write_zeroes(at, 65536, ZeroFlags::default())),
+                _ => {
+                    if what == "inline write" {
+                        assert!(
+                            b.write_inline(at, &[2u8; 4096], false).is_none(),
+                            "an inline write over a queued copy is declined"
+                        );
+                    }
+                    Box::pin(b.write(at, Bytes::from(vec![2u8; size]).into(), false))
+                }
+            };
+            assert!(
+                !poll_once(&mut later),
+                "{what} after {first_size}: waits for the copy"
+            );
+            block_on(async {
+                first.await.unwrap();
+                later.await.unwrap();
+            });
+            let r = block_on(b.read(at, 4096)).unwrap();
+            let expect = if matches!(what, "trim" | "zeroing") {
+                0
+            } else {
+                2
+            };
+            assert!(
+                r.bytes().iter().all(|&x| x == expect),
+                "{what} after a {first_size}-byte copy beside landed before it"
+            );
+            assert_eq!(b.queued_copies.registered(), 0);
+        }
     }
 
     #[test]

@@ -333,7 +333,7 @@ const LARGE: Load = Load {
 /// 1.0 per such write, about 0.05 µs against the write's 300 µs of CPU. The bound for
 /// them leaves room for that one and fails on a second.
 #[test]
-fn large_requests_allocate_nothing_per_request() {
+fn large_requests_allocate_nothing_but_the_task_of_a_large_page_cache_write() {
     let bound_for = |export: &str, kind: Kind| match (export, kind) {
         ("page cache", Kind::Write) => 1.1,
         _ => 0.1,

@@ -66,6 +66,9 @@ const WRITE_BESIDE_MIN: usize = 256 << 10;
 const WRITE_BESIDE_TURN: usize = 1 << 20;
 /// Most bytes of writes waiting for, or in, [`FileBackend::write_beside`].
 const WRITE_BESIDE_BACKLOG: usize = 8 << 20;
+/// How long after a failed start of the writer thread it is tried again
+/// ([`FileBackend::writer`]).
+const WRITER_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// A file or block device export.
 pub struct FileBackend {
@@ -101,8 +104,11 @@ pub struct FileBackend {
     behind: Arc<WriteBehind>,
     /// The thread that copies page-cache writes from [`WRITE_BESIDE_MIN`] to below
     /// [`WRITE_BESIDE_TURN`] beside the connections' threads
-    /// ([`FileBackend::write_beside`]), started with the first; `None` if it could not be.
-    writer: std::sync::OnceLock<Option<Writer<CopyBeside>>>,
+    /// ([`FileBackend::write_beside`]), started with the first.
+    writer: std::sync::OnceLock<Writer<CopyBeside>>,
+    /// Held while the writer thread is started; when a start failed, the earliest time to
+    /// try again ([`WRITER_RETRY`]).
+    writer_start: Mutex<Option<std::time::Instant>>,
     /// The turn of the writes beside of [`WRITE_BESIDE_TURN`] or more: one at a time.
     beside_turn: Arc<tokio::sync::Semaphore>,
     /// Bytes of writes handed to [`FileBackend::write_beside`] and not yet written.
@@ -112,6 +118,9 @@ pub struct FileBackend {
     /// Writes copied beside the connection's thread, for tests that count them.
     #[cfg(test)]
     writes_beside: AtomicU64,
+    /// Makes the next start of the writer thread fail, for tests.
+    #[cfg(test)]
+    fail_writer_start: AtomicBool,
     /// Copies beside that ended, counted on the copying thread, for tests.
     #[cfg(test)]
     copies_beside_ended: Arc<AtomicU64>,
@@ -545,11 +554,14 @@ impl FileBackend {
             locks: RangeLocks::default(),
             dirty: Arc::new(DirtyTracker::default()),
             writer: std::sync::OnceLock::new(),
+            writer_start: Mutex::new(None),
             beside_turn: Arc::new(tokio::sync::Semaphore::new(1)),
             beside_backlog: Arc::new(AtomicUsize::new(0)),
             queued_copies: Arc::default(),
             #[cfg(test)]
             writes_beside: AtomicU64::new(0),
+            #[cfg(test)]
+            fail_writer_start: AtomicBool::new(false),
             #[cfg(test)]
             copies_beside_ended: Arc::new(AtomicU64::new(0)),
             lost: LostWriteback::default(),
@@ -887,22 +899,45 @@ impl FileBackend {
         Ok(())
     }
 
-    /// The export's writer thread, started on first use; `None` if it could not be (its
-    /// writes are then copied on the connection's thread, as smaller ones are).
+    /// The export's writer thread, started on first use; `None` if it could not be
+    /// started (its writes are then copied on the connection's thread, as smaller ones
+    /// are). A failed start (threads exhausted for a moment) is tried again after
+    /// [`WRITER_RETRY`], not on every write meanwhile.
     fn writer(&self) -> Option<&Writer<CopyBeside>> {
-        self.writer
-            .get_or_init(|| {
-                Writer::start(Arc::clone(&self.file), "netblk-writer")
-                    .inspect_err(|e| {
-                        tracing::warn!(
-                            "{}: no thread for copying large writes ({e}); they are copied \
-                             on the connections' threads",
-                            self.path.display()
-                        )
-                    })
-                    .ok()
-            })
-            .as_ref()
+        if let Some(writer) = self.writer.get() {
+            return Some(writer);
+        }
+        let mut retry_at = self.writer_start.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(writer) = self.writer.get() {
+            return Some(writer);
+        }
+        if retry_at.is_some_and(|at| std::time::Instant::now() < at) {
+            return None;
+        }
+        #[cfg(test)]
+        let started = if self.fail_writer_start.swap(false, Ordering::AcqRel) {
+            Err(std::io::Error::from_raw_os_error(libc::EAGAIN))
+        } else {
+            Writer::start(Arc::clone(&self.file), "netblk-writer")
+        };
+        #[cfg(not(test))]
+        let started = Writer::start(Arc::clone(&self.file), "netblk-writer");
+        match started {
+            Ok(writer) => {
+                *retry_at = None;
+                Some(self.writer.get_or_init(|| writer))
+            }
+            Err(e) => {
+                tracing::warn!(
+                    "{}: no thread for copying large writes ({e}); they are copied on the \
+                     connections' threads, and the thread is tried again in {:?}",
+                    self.path.display(),
+                    WRITER_RETRY
+                );
+                *retry_at = Some(std::time::Instant::now() + WRITER_RETRY);
+                None
+            }
+        }
     }
 
     /// Counts `written` bytes toward [`WriteBehind`], and starts writeback of the file's
@@ -1912,6 +1947,36 @@ mod tests {
                 .unwrap();
             assert_eq!(b.writes_beside.load(Ordering::Relaxed), 2);
         });
+    }
+
+    /// A writer thread that could not be started: the write is copied on the calling
+    /// thread and lands, the start is not tried again on every write, and it is tried
+    /// again once [`WRITER_RETRY`] has passed. Before, the failure was kept for the life
+    /// of the export.
+    #[test]
+    fn a_writer_thread_that_failed_to_start_is_tried_again() {
+        let size = WRITE_BESIDE_MIN;
+        let (_dir, _path, b) = new_export(4 * size as u64, Some(CacheMode::Writeback));
+        b.fail_writer_start.store(true, Ordering::Release);
+        let write = |at: usize, byte: u8| {
+            block_on(b.write(at as u64, Bytes::from(vec![byte; size]).into(), false)).unwrap()
+        };
+        write(0, 1);
+        assert!(b.writer.get().is_none(), "the start failed");
+        write(size, 2);
+        assert!(
+            b.writer.get().is_none(),
+            "not tried again before WRITER_RETRY"
+        );
+        // As if WRITER_RETRY had passed.
+        *b.writer_start.lock().unwrap() = Some(std::time::Instant::now());
+        write(2 * size, 3);
+        assert!(b.writer.get().is_some(), "tried again, and started");
+        assert_eq!(b.writes_beside.load(Ordering::Relaxed), 3);
+        let r = block_on(b.read(0, 3 * size)).unwrap();
+        for (i, chunk) in r.bytes().chunks(size).enumerate() {
+            assert!(chunk.iter().all(|&x| x == i as u8 + 1), "write {i} landed");
+        }
     }
 
     /// A change received after a write beside that overlaps it lands after it, whichever

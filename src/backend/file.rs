@@ -25,7 +25,7 @@ use anyhow::{bail, Context};
 use rustix::fs::FallocateFlags;
 
 use super::beside::{Job, Writer};
-use super::copy_order::{self, QueuedCopies};
+use super::change_order::{self, ChangeOrder};
 use super::mapping::Mapping;
 use super::range_lock::RangeLocks;
 use super::uring::Ring;
@@ -114,7 +114,7 @@ pub struct FileBackend {
     /// Bytes of writes handed to [`FileBackend::write_beside`] and not yet written.
     beside_backlog: Arc<AtomicUsize>,
     /// Those writes, in order of arrival, for later changes over them to wait for.
-    queued_copies: Arc<QueuedCopies>,
+    change_order: Arc<ChangeOrder>,
     /// Writes copied beside the connection's thread, for tests that count them.
     #[cfg(test)]
     writes_beside: AtomicU64,
@@ -557,7 +557,7 @@ impl FileBackend {
             writer_start: Mutex::new(None),
             beside_turn: Arc::new(tokio::sync::Semaphore::new(1)),
             beside_backlog: Arc::new(AtomicUsize::new(0)),
-            queued_copies: Arc::default(),
+            change_order: Arc::default(),
             #[cfg(test)]
             writes_beside: AtomicU64::new(0),
             #[cfg(test)]
@@ -790,9 +790,111 @@ impl FileBackend {
         Ok(())
     }
 
+    /// [`FileBackend::write_to_page_cache`], and the export marked dirty.
+    fn copy_to_page_cache(&self, offset: u64, data: &[u8]) -> Result<(), BackendError> {
+        self.write_to_page_cache(offset, data)
+            .map(|()| self.dirty.mark())
+    }
+
+    /// A write that is not copied beside, once the changes over it received before it
+    /// have landed ([`super::change_order`]); also a zeroing's zeroes written by hand.
+    fn write_in_turn(&self, offset: u64, data: WriteData, fua: bool) -> BackendFuture<'_, ()> {
+        inline_backend_future(async move {
+            let length = data.len() as u64;
+            if self.cache == CacheMode::Writeback {
+                if !fua {
+                    return self.copy_to_page_cache(offset, &data);
+                }
+                return self.fua_write_to_page_cache(offset, data).await;
+            }
+            // Direct I/O. A FUA write is a plain write and a sync: the device flush
+            // `RWF_DSYNC` would send could take the only report of a failure in a cache
+            // below the device ([`LostWriteback`]), which the sync records.
+            if offset % self.block == 0 && length % self.block == 0 {
+                let _held = self.lock_shared(offset, length).await;
+                self.write_blocks(offset, data).await?;
+            } else {
+                // Its errors are said of the client's request, not of the blocks around it.
+                self.read_modify_write(offset, data)
+                    .await
+                    .map_err(|e| e.of_request("write (read-modify-write)", offset, length))?;
+            }
+            if fua {
+                return self.after_change("write", offset, length, true).await;
+            }
+            self.dirty.mark();
+            Ok(())
+        })
+    }
+
+    /// WRITE_ZEROES once its turn came ([`super::change_order`]); also the parts of a
+    /// TRIM that zeroes.
+    async fn zero_range(
+        &self,
+        offset: u64,
+        length: u64,
+        flags: ZeroFlags,
+    ) -> Result<(), BackendError> {
+        let block_device = self.block_device;
+        // On a device, `fallocate` zeroes whole blocks (the part of the range it can
+        // take); the ends are written. A device whose zeroing is not offloaded has the
+        // kernel write pages of zeroes instead, which a fast zero must not wait for.
+        let (start, end) = self.fallocate_range(offset, length);
+        if flags.fast && block_device && start < end && !self.device_zeroes_fast() {
+            return Err(BackendError::fast_zero_refused(offset, length));
+        }
+        let held = self.lock_shared(offset, length).await;
+        let zeroed = start == end
+            || self
+                .blocking("write zeroes", offset, length, move |file| {
+                    // On a device a hole punch zeroes too, and lets the device unmap
+                    // the blocks (without an offloaded zeroing it fails, and the range
+                    // is written by hand); a zero range keeps them allocated.
+                    let mode = if flags.may_trim {
+                        FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE
+                    } else {
+                        FallocateFlags::ZERO_RANGE | FallocateFlags::KEEP_SIZE
+                    };
+                    match rustix::fs::fallocate(file, mode, start, end - start) {
+                        Ok(()) => Ok(true),
+                        Err(rustix::io::Errno::OPNOTSUPP) => Ok(false),
+                        Err(e) => Err(errno(e)),
+                    }
+                })
+                .await?;
+        drop(held);
+        let by_hand = if zeroed {
+            [(offset, start), (end, offset + length)]
+        } else if flags.fast {
+            return Err(BackendError::fast_zero_refused(offset, length));
+        } else {
+            [(offset, offset + length), (0, 0)]
+        };
+        // Written out by hand, through the path (and locks) of client writes that are
+        // not copied beside: the zeroing already has its turn.
+        for (mut at, to) in by_hand {
+            while at < to {
+                let n = (to - at).min(ZERO_CHUNK);
+                let zeroes = Buffer::zeroed(n as usize).share().into();
+                self.write_in_turn(at, zeroes, false).await?;
+                at += n;
+            }
+        }
+        self.after_change("write zeroes", offset, length, flags.fua)
+            .await
+    }
+
+    /// Registers a TRIM or zeroing of `[offset, offset + length)` in the order of
+    /// arrival, on a page-cache export (where writes are copied beside); `None` on
+    /// another (nothing there is copied beside, so nothing waits).
+    fn change_in_order(&self, offset: u64, length: u64) -> Option<change_order::Registered> {
+        (self.cache == CacheMode::Writeback)
+            .then(|| self.change_order.register(offset, offset + length))
+    }
+
     /// Takes a place in the backlog of [`FileBackend::write_beside`] for a page-cache
     /// write of `length` bytes at `offset`, when the write is that large and the backlog
-    /// has room, and registers its copy in the order of arrival ([`super::copy_order`]).
+    /// has room, and registers its copy in the order of arrival ([`super::change_order`]).
     fn place_beside(&self, offset: u64, length: usize, fua: bool) -> Option<BacklogPlace> {
         if self.cache != CacheMode::Writeback || fua || length < WRITE_BESIDE_MIN {
             return None;
@@ -805,7 +907,7 @@ impl FileBackend {
         Some(BacklogPlace {
             backlog: Arc::clone(&self.beside_backlog),
             length,
-            registered: self.queued_copies.register(offset, offset + length as u64),
+            registered: self.change_order.register(offset, offset + length as u64),
         })
     }
 
@@ -1167,12 +1269,12 @@ impl Job for CopyBeside {
 }
 
 /// A write's place in the backlog of [`FileBackend::write_beside`] (one for the whole
-/// export) and in the order of arrival ([`super::copy_order`]), given back when dropped:
+/// export) and in the order of arrival ([`super::change_order`]), given back when dropped:
 /// when its copy ends, or when its future is dropped before the copy began.
 struct BacklogPlace {
     backlog: Arc<AtomicUsize>,
     length: usize,
-    registered: copy_order::Registered,
+    registered: change_order::Registered,
 }
 
 impl Drop for BacklogPlace {
@@ -1478,34 +1580,18 @@ impl Backend for FileBackend {
         if let Some(place) = self.place_beside(offset, data.len(), fua) {
             return inline_backend_future(self.write_beside(offset, data, place));
         }
-        inline_backend_future(async move {
-            let length = data.len() as u64;
-            self.queued_copies.wait_for(offset, offset + length).await;
-            if let Some(done) = self.write_inline(offset, &data, fua) {
-                return done;
-            }
-            if self.cache == CacheMode::Writeback {
-                // A FUA write (the rest took the path above).
-                return self.fua_write_to_page_cache(offset, data).await;
-            }
-            // Direct I/O. A FUA write is a plain write and a sync: the device flush
-            // `RWF_DSYNC` would send could take the only report of a failure in a cache
-            // below the device ([`LostWriteback`]), which the sync records.
-            if offset % self.block == 0 && length % self.block == 0 {
-                let _held = self.lock_shared(offset, length).await;
-                self.write_blocks(offset, data).await?;
-            } else {
-                // Its errors are said of the client's request, not of the blocks around it.
-                self.read_modify_write(offset, data)
-                    .await
-                    .map_err(|e| e.of_request("write (read-modify-write)", offset, length))?;
-            }
-            if fua {
-                return self.after_change("write", offset, length, true).await;
-            }
-            self.dirty.mark();
-            Ok(())
-        })
+        // Over a change still under way, the write takes its place after it (rarely: a
+        // future that may be boxed).
+        match self
+            .change_order
+            .register_if_over(offset, offset + data.len() as u64)
+        {
+            None => self.write_in_turn(offset, data, fua),
+            Some(turn) => backend_future(async move {
+                turn.wait_for_earlier().await;
+                self.write_in_turn(offset, data, fua).await
+            }),
+        }
     }
 
     fn write_inline(
@@ -1515,20 +1601,17 @@ impl Backend for FileBackend {
         fua: bool,
     ) -> Option<Result<(), BackendError>> {
         // A write without FUA in writeback mode is a copy into the page cache; `write`
-        // takes this path too. Over a copy still queued beside, it is made after that
-        // copy, by `write`.
+        // takes this path too. Over a change still under way (a copy beside, a TRIM), it
+        // is made after that change, by `write`.
         if self.cache != CacheMode::Writeback
             || fua
             || self
-                .queued_copies
+                .change_order
                 .any_over(offset, offset + data.len() as u64)
         {
             return None;
         }
-        Some(
-            self.write_to_page_cache(offset, data)
-                .map(|()| self.dirty.mark()),
-        )
+        Some(self.copy_to_page_cache(offset, data))
     }
 
     fn flush(&self) -> BackendFuture<'_, ()> {
@@ -1541,8 +1624,11 @@ impl Backend for FileBackend {
     }
 
     fn trim(&self, offset: u64, length: u64, fua: bool) -> BackendFuture<'_, ()> {
+        let turn = self.change_in_order(offset, length);
         backend_future(async move {
-            self.queued_copies.wait_for(offset, offset + length).await;
+            if let Some(turn) = &turn {
+                turn.wait_for_earlier().await;
+            }
             let _held = self.lock_shared(offset, length).await;
             // A device discards whole blocks only; the rest of the range keeps its data,
             // which TRIM allows.
@@ -1579,9 +1665,12 @@ impl Backend for FileBackend {
         let Some(granules) = self.device_discards().filter(|_| self.block_device) else {
             return self.write_zeroes(offset, length, zeroing);
         };
+        let turn = self.change_in_order(offset, length);
         backend_future(async move {
+            if let Some(turn) = &turn {
+                turn.wait_for_earlier().await;
+            }
             let range_end = offset + length;
-            self.queued_copies.wait_for(offset, range_end).await;
             let (start, end) = granules.within(offset, length);
             if start < end {
                 let held = self.lock_shared(start, end - start).await;
@@ -1590,7 +1679,7 @@ impl Backend for FileBackend {
                     .await?;
                 drop(held);
                 if !discarded {
-                    return self.write_zeroes(offset, length, zeroing).await;
+                    return self.zero_range(offset, length, zeroing).await;
                 }
             }
             // The partial granules at the ends, then one sync for all of it.
@@ -1600,7 +1689,7 @@ impl Backend for FileBackend {
             };
             for (at, to) in [(offset, start), (end, range_end)] {
                 if at < to {
-                    self.write_zeroes(at, to - at, unsynced).await?;
+                    self.zero_range(at, to - at, unsynced).await?;
                 }
             }
             self.after_change("trim", offset, length, fua).await
@@ -1608,54 +1697,12 @@ impl Backend for FileBackend {
     }
 
     fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> BackendFuture<'_, ()> {
-        let block_device = self.block_device;
+        let turn = self.change_in_order(offset, length);
         backend_future(async move {
-            // On a device, `fallocate` zeroes whole blocks (the part of the range it can
-            // take); the ends are written. A device whose zeroing is not offloaded has the
-            // kernel write pages of zeroes instead, which a fast zero must not wait for.
-            let (start, end) = self.fallocate_range(offset, length);
-            if flags.fast && block_device && start < end && !self.device_zeroes_fast() {
-                return Err(BackendError::fast_zero_refused(offset, length));
+            if let Some(turn) = &turn {
+                turn.wait_for_earlier().await;
             }
-            self.queued_copies.wait_for(offset, offset + length).await;
-            let held = self.lock_shared(offset, length).await;
-            let zeroed = start == end
-                || self
-                    .blocking("write zeroes", offset, length, move |file| {
-                        // On a device a hole punch zeroes too, and lets the device unmap
-                        // the blocks (without an offloaded zeroing it fails, and the range
-                        // is written by hand); a zero range keeps them allocated.
-                        let mode = if flags.may_trim {
-                            FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE
-                        } else {
-                            FallocateFlags::ZERO_RANGE | FallocateFlags::KEEP_SIZE
-                        };
-                        match rustix::fs::fallocate(file, mode, start, end - start) {
-                            Ok(()) => Ok(true),
-                            Err(rustix::io::Errno::OPNOTSUPP) => Ok(false),
-                            Err(e) => Err(errno(e)),
-                        }
-                    })
-                    .await?;
-            drop(held);
-            let by_hand = if zeroed {
-                [(offset, start), (end, offset + length)]
-            } else if flags.fast {
-                return Err(BackendError::fast_zero_refused(offset, length));
-            } else {
-                [(offset, offset + length), (0, 0)]
-            };
-            // Written out by hand, through the same path (and locks) as client writes.
-            for (mut at, to) in by_hand {
-                while at < to {
-                    let n = (to - at).min(ZERO_CHUNK);
-                    let zeroes = Buffer::zeroed(n as usize).share().into();
-                    self.write(at, zeroes, false).await?;
-                    at += n;
-                }
-            }
-            self.after_change("write zeroes", offset, length, flags.fua)
-                .await
+            self.zero_range(offset, length, flags).await
         })
     }
 
@@ -1979,65 +2026,87 @@ mod tests {
         }
     }
 
-    /// A change received after a write beside that overlaps it lands after it, whichever
-    /// path each takes: an inline write waits (it declines `write_inline`, and `write`
-    /// waits for the copy), as do a TRIM, a zeroing and a later write beside on the other
-    /// path. Before (review, session 75), a small write made at once on its own thread was
-    /// overwritten by the earlier copy still queued beside.
+    /// Overlapping changes land in the order received, whichever path each takes. A
+    /// change received after a write beside waits for its copy: an inline write (it
+    /// declines `write_inline`, and `write` waits), a write beside on either path, a TRIM
+    /// and a zeroing. And a write beside received after that change waits for it in turn.
+    /// Before (review, session 75), a small write made at once on its own thread was
+    /// overwritten by the earlier copy still queued beside; in session 76's first form,
+    /// the change in the middle waited for the later copy too, and landed last.
     #[test]
-    fn a_change_over_a_queued_copy_lands_after_it() {
-        let (_dir, _path, b) = new_export(4 << 20, Some(CacheMode::Writeback));
-        let poll_once = |f: &mut std::pin::Pin<Box<BackendFuture<'_, ()>>>| {
+    fn overlapping_changes_land_in_the_order_received() {
+        #[derive(Debug, Clone, Copy)]
+        enum Change {
+            InlineWrite,
+            WriteOnWriterThread,
+            WriteOnBlockingPool,
+            Trim,
+            Zeroing,
+        }
+        use std::future::Future;
+        type Pending<'a> = std::pin::Pin<Box<BackendFuture<'a, ()>>>;
+        let poll_once = |f: &mut Pending<'_>| {
             let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
             f.as_mut().poll(&mut cx).is_ready()
         };
-        use std::future::Future;
-        let later_changes: [(&str, usize); 5] = [
-            ("inline write", 4096),
-            ("write beside (writer thread)", WRITE_BESIDE_MIN),
-            ("write beside (blocking pool)", WRITE_BESIDE_TURN),
-            ("trim", 0),
-            ("zeroing", 0),
+        let (_dir, _path, b) = new_export(32 << 20, Some(CacheMode::Writeback));
+        let changes = [
+            Change::InlineWrite,
+            Change::WriteOnWriterThread,
+            Change::WriteOnBlockingPool,
+            Change::Trim,
+            Change::Zeroing,
         ];
-        for (first_size, (what, size)) in [WRITE_BESIDE_MIN, WRITE_BESIDE_TURN]
+        let cases = [WRITE_BESIDE_MIN, WRITE_BESIDE_TURN]
             .into_iter()
-            .flat_map(|first| later_changes.map(|later| (first, later)))
-        {
+            .flat_map(|first| changes.map(|middle| (first, middle)));
+        for (case, (first_size, middle)) in cases.enumerate() {
+            let base = case as u64 * (2 << 20);
+            let at = base + 4096;
+            let landed = |byte: u8| {
+                let r = block_on(b.read(at, 4096)).unwrap();
+                r.bytes().iter().all(|&x| x == byte)
+            };
             // Received first, not yet handed to its thread.
-            let first = Box::pin(b.write(0, Bytes::from(vec![1u8; first_size]).into(), false));
-            let at = 4096u64;
-            let mut later: std::pin::Pin<Box<BackendFuture<'_, ()>>> = match what {
-                "trim" => Box::pin(b.trim(at, 65536, false)),
-                "zeroing" => Box::pin(b.write_zeroes(at, 65536, ZeroFlags::default())),
-                _ => {
-                    if what == "inline write" {
-                        assert!(
-                            b.write_inline(at, &[2u8; 4096], false).is_none(),
-                            "an inline write over a queued copy is declined"
-                        );
-                    }
-                    Box::pin(b.write(at, Bytes::from(vec![2u8; size]).into(), false))
+            let mut first: Pending<'_> =
+                Box::pin(b.write(base, Bytes::from(vec![1u8; first_size]).into(), false));
+            let write = |size: usize| b.write(at, Bytes::from(vec![2u8; size]).into(), false);
+            let mut then: Pending<'_> = match middle {
+                Change::InlineWrite => {
+                    assert!(
+                        b.write_inline(at, &[2u8; 4096], false).is_none(),
+                        "an inline write over a queued copy is declined"
+                    );
+                    Box::pin(write(4096))
                 }
+                Change::WriteOnWriterThread => Box::pin(write(WRITE_BESIDE_MIN)),
+                Change::WriteOnBlockingPool => Box::pin(write(WRITE_BESIDE_TURN)),
+                Change::Trim => Box::pin(b.trim(at, 65536, false)),
+                Change::Zeroing => Box::pin(b.write_zeroes(at, 65536, ZeroFlags::default())),
             };
+            // Received last, over the middle change.
+            let mut last: Pending<'_> =
+                Box::pin(b.write(at, Bytes::from(vec![3u8; WRITE_BESIDE_MIN]).into(), false));
             assert!(
-                !poll_once(&mut later),
-                "{what} after {first_size}: waits for the copy"
+                !poll_once(&mut then),
+                "{middle:?} after {first_size}: waits"
             );
-            block_on(async {
-                first.await.unwrap();
-                later.await.unwrap();
-            });
-            let r = block_on(b.read(at, 4096)).unwrap();
-            let expect = if matches!(what, "trim" | "zeroing") {
-                0
-            } else {
-                2
+            assert!(
+                !poll_once(&mut last),
+                "a write beside after {middle:?} waits"
+            );
+            assert!(landed(0), "{middle:?}: nothing landed before the first");
+            block_on(&mut first).unwrap();
+            assert!(landed(1), "{middle:?}: the first landed first");
+            block_on(&mut then).unwrap();
+            let expect = match middle {
+                Change::Trim | Change::Zeroing => 0,
+                _ => 2,
             };
-            assert!(
-                r.bytes().iter().all(|&x| x == expect),
-                "{what} after a {first_size}-byte copy beside landed before it"
-            );
-            assert_eq!(b.queued_copies.registered(), 0);
+            assert!(landed(expect), "{middle:?} after a {first_size}-byte copy");
+            block_on(&mut last).unwrap();
+            assert!(landed(3), "the last write landed before {middle:?}");
+            assert_eq!(b.change_order.registered(), 0);
         }
     }
 

@@ -63,7 +63,7 @@ pub(crate) use pass_to_inner;
 
 mod answer;
 mod beside;
-mod copy_order;
+mod change_order;
 pub mod file;
 pub mod mapping;
 pub mod memory;

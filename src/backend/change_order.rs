@@ -1,16 +1,23 @@
-//! Keeps changes to a page-cache export landing in the order the server received them
+//! Keeps changes to a page-cache export landing in the order the connections started them
 //! while some writes are copied beside the connections' threads
 //! ([`FileBackend::write_beside`](super::file::FileBackend)).
 //!
-//! Each change that may still be under way when a later one is received registers its
-//! range when it is received and stays registered until it has landed: a write copied
-//! beside (until its copy ends, or until it is dropped before the copy began), a TRIM or
-//! a zeroing, and a write that found a registered change over its range. Before it
-//! begins, each waits for the registered changes received before it that overlap it, and
-//! for no later one. So of two overlapping changes, the one received first lands first,
-//! on whichever path each goes, as when every copy was made on the connection's thread.
-//! A write over nothing registered is made at once, unregistered: it has landed before
-//! the connection receives its next request.
+//! Each change that may still be under way when a later one starts registers its range
+//! when it starts and stays registered until it has landed: a write copied beside (until
+//! its copy ends, or until it is dropped before the copy began), a TRIM or a zeroing, and
+//! a write that found a registered change over its range. Before it begins, each waits
+//! for the registered changes started before it that overlap it, and for no later one.
+//! So of two overlapping changes, the one started first lands first, on whichever path
+//! each goes, as when every copy was made on the connection's thread. A write over
+//! nothing registered is made at once, unregistered.
+//!
+//! "Started" is when the connection hands the request to the export: the first poll of
+//! its future, in the order the connection read the requests, except that a write whose
+//! payload is whole in the read buffer is made as it is parsed, before requests read
+//! earlier whose futures are not yet polled. Within one connection, requests in flight
+//! together may so still land out of order (review, session 76: a TRIM then a 512-byte
+//! write over it, sent together; or a write whose payload crossed two reads, then small
+//! writes over it). NBD lets a server reorder requests in flight together.
 //!
 //! Why it matters (review, session 75): a client that sent writes and went away left them
 //! queued on the export's writer thread, and another connection's later write over the
@@ -19,7 +26,7 @@
 //! that are in flight together to the server, but a client taking over a device expects
 //! what it wrote after the other client was gone to stay. (A first form, session 76,
 //! registered only the copies beside and had every other change wait for any copy over
-//! it, later ones too: a TRIM received before a later write beside then landed after it,
+//! it, later ones too: a TRIM started before a later write beside then landed after it,
 //! 20 of 20 times in review, and a hot range could hold a small write back for 185 ms.)
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -27,7 +34,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
 
-/// A registered change: its order of arrival and its byte range.
+/// A registered change: its order of starting and its byte range.
 #[derive(Debug, Clone, Copy)]
 struct Change {
     id: u64,
@@ -38,7 +45,7 @@ struct Change {
 /// The registered changes of one export.
 #[derive(Default)]
 pub struct ChangeOrder {
-    /// The next id to give, and the changes registered (in order of arrival).
+    /// The next id to give, and the changes registered (in the order they started).
     state: Mutex<(u64, Vec<Change>)>,
     /// How many changes are registered: lets a change when there are none skip the lock.
     count: AtomicUsize,
@@ -55,13 +62,13 @@ pub struct Registered {
 }
 
 impl ChangeOrder {
-    /// Registers a change of `[start, end)` received now; never waits.
+    /// Registers a change of `[start, end)` starting now; never waits.
     pub fn register(self: &Arc<Self>, start: u64, end: u64) -> Registered {
         let mut state = self.lock();
         self.push(&mut state, start, end)
     }
 
-    /// Registers a change of `[start, end)` received now if a registered change overlaps
+    /// Registers a change of `[start, end)` starting now if a registered change overlaps
     /// it (it must then wait, [`Registered::wait_for_earlier`]); `None` when it may be
     /// made at once. The look and the registration are one step under the lock.
     pub fn register_if_over(self: &Arc<Self>, start: u64, end: u64) -> Option<Registered> {
@@ -86,7 +93,7 @@ impl ChangeOrder {
         }
     }
 
-    /// Whether a registered change received before `before` (any, with `u64::MAX`)
+    /// Whether a registered change started before `before` (any, with `u64::MAX`)
     /// overlaps `[start, end)`.
     fn overlaps(&self, start: u64, end: u64, before: u64) -> bool {
         if self.count.load(Ordering::Acquire) == 0 {
@@ -133,7 +140,7 @@ impl ChangeOrder {
 }
 
 impl Registered {
-    /// Waits until every overlapping change received before this one has landed.
+    /// Waits until every overlapping change started before this one has landed.
     pub async fn wait_for_earlier(&self) {
         self.order
             .wait_for_earlier(self.start, self.end, self.id)
@@ -165,7 +172,7 @@ mod tests {
     }
 
     #[test]
-    fn a_change_waits_only_for_overlapping_changes_received_before_it() {
+    fn a_change_waits_only_for_overlapping_changes_started_before_it() {
         let order = Arc::new(ChangeOrder::default());
         assert!(!order.any_over(0, u64::MAX), "nothing registered");
         assert!(order.register_if_over(0, 4096).is_none(), "over nothing");

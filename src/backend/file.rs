@@ -113,7 +113,8 @@ pub struct FileBackend {
     beside_turn: Arc<tokio::sync::Semaphore>,
     /// Bytes of writes handed to [`FileBackend::write_beside`] and not yet written.
     beside_backlog: Arc<AtomicUsize>,
-    /// Those writes, in order of arrival, for later changes over them to wait for.
+    /// Those writes and the changes over them, in the order they started, for later
+    /// changes over them to wait for ([`super::change_order`]).
     change_order: Arc<ChangeOrder>,
     /// Writes copied beside the connection's thread, for tests that count them.
     #[cfg(test)]
@@ -796,7 +797,7 @@ impl FileBackend {
             .map(|()| self.dirty.mark())
     }
 
-    /// A write that is not copied beside, once the changes over it received before it
+    /// A write that is not copied beside, once the changes over it started before it
     /// have landed ([`super::change_order`]); also a zeroing's zeroes written by hand.
     fn write_in_turn(&self, offset: u64, data: WriteData, fua: bool) -> BackendFuture<'_, ()> {
         inline_backend_future(async move {
@@ -885,7 +886,7 @@ impl FileBackend {
     }
 
     /// Registers a TRIM or zeroing of `[offset, offset + length)` in the order of
-    /// arrival, on a page-cache export (where writes are copied beside); `None` on
+    /// starting, on a page-cache export (where writes are copied beside); `None` on
     /// another (nothing there is copied beside, so nothing waits).
     fn change_in_order(&self, offset: u64, length: u64) -> Option<change_order::Registered> {
         (self.cache == CacheMode::Writeback)
@@ -894,7 +895,7 @@ impl FileBackend {
 
     /// Takes a place in the backlog of [`FileBackend::write_beside`] for a page-cache
     /// write of `length` bytes at `offset`, when the write is that large and the backlog
-    /// has room, and registers its copy in the order of arrival ([`super::change_order`]).
+    /// has room, and registers its copy in the order of starting ([`super::change_order`]).
     fn place_beside(&self, offset: u64, length: usize, fua: bool) -> Option<BacklogPlace> {
         if self.cache != CacheMode::Writeback || fua || length < WRITE_BESIDE_MIN {
             return None;
@@ -1269,7 +1270,7 @@ impl Job for CopyBeside {
 }
 
 /// A write's place in the backlog of [`FileBackend::write_beside`] (one for the whole
-/// export) and in the order of arrival ([`super::change_order`]), given back when dropped:
+/// export) and in the order of starting ([`super::change_order`]), given back when dropped:
 /// when its copy ends, or when its future is dropped before the copy began.
 struct BacklogPlace {
     backlog: Arc<AtomicUsize>,
@@ -2026,15 +2027,15 @@ mod tests {
         }
     }
 
-    /// Overlapping changes land in the order received, whichever path each takes. A
-    /// change received after a write beside waits for its copy: an inline write (it
+    /// Overlapping changes land in the order started, whichever path each takes. A
+    /// change started after a write beside waits for its copy: an inline write (it
     /// declines `write_inline`, and `write` waits), a write beside on either path, a TRIM
-    /// and a zeroing. And a write beside received after that change waits for it in turn.
+    /// and a zeroing. And a write beside started after that change waits for it in turn.
     /// Before (review, session 75), a small write made at once on its own thread was
     /// overwritten by the earlier copy still queued beside; in session 76's first form,
     /// the change in the middle waited for the later copy too, and landed last.
     #[test]
-    fn overlapping_changes_land_in_the_order_received() {
+    fn overlapping_changes_land_in_the_order_started() {
         #[derive(Debug, Clone, Copy)]
         enum Change {
             InlineWrite,

@@ -243,10 +243,7 @@ mod tests {
     }
 
     fn block_on<F: Future>(future: F) -> F::Output {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .build()
-            .unwrap();
-        runtime.block_on(future)
+        crate::test_runtime().block_on(future)
     }
 
     fn temp_file() -> (tempfile::TempDir, Arc<File>) {

@@ -59,13 +59,18 @@ pub struct Registered {
     id: u64,
     start: u64,
     end: u64,
+    /// Whether a change registered before it overlapped it when it registered: if not,
+    /// none ever will (later ones are not waited for), and it need not look again.
+    after_overlapping: bool,
 }
 
 impl ChangeOrder {
     /// Registers a change of `[start, end)` starting now; never waits.
     pub fn register(self: &Arc<Self>, start: u64, end: u64) -> Registered {
         let mut state = self.lock();
-        self.push(&mut state, start, end)
+        // Every change registered now started before this one.
+        let after_overlapping = overlapped(&state.1, start, end);
+        self.push(&mut state, start, end, after_overlapping)
     }
 
     /// Registers a change of `[start, end)` starting now if a registered change overlaps
@@ -76,11 +81,17 @@ impl ChangeOrder {
             return None;
         }
         let mut state = self.lock();
-        let over = state.1.iter().any(|q| q.start < end && start < q.end);
-        over.then(|| self.push(&mut state, start, end))
+        let over = overlapped(&state.1, start, end);
+        over.then(|| self.push(&mut state, start, end, true))
     }
 
-    fn push(self: &Arc<Self>, state: &mut (u64, Vec<Change>), start: u64, end: u64) -> Registered {
+    fn push(
+        self: &Arc<Self>,
+        state: &mut (u64, Vec<Change>),
+        start: u64,
+        end: u64,
+        after_overlapping: bool,
+    ) -> Registered {
         let id = state.0;
         state.0 += 1;
         state.1.push(Change { id, start, end });
@@ -90,6 +101,7 @@ impl ChangeOrder {
             id,
             start,
             end,
+            after_overlapping,
         }
     }
 
@@ -139,9 +151,17 @@ impl ChangeOrder {
     }
 }
 
+/// Whether a change of `changes` overlaps `[start, end)`.
+fn overlapped(changes: &[Change], start: u64, end: u64) -> bool {
+    changes.iter().any(|q| q.start < end && start < q.end)
+}
+
 impl Registered {
     /// Waits until every overlapping change started before this one has landed.
     pub async fn wait_for_earlier(&self) {
+        if !self.after_overlapping {
+            return;
+        }
         self.order
             .wait_for_earlier(self.start, self.end, self.id)
             .await;

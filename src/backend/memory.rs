@@ -11,8 +11,9 @@
 //! into spare pages and hands them over ([`PageStore`]); pages that writes replace and no
 //! read holds become the spares.
 //!
-//! Pages come from [`super::page_pool`], which backs them with huge pages: random reads
-//! then do not pay a page walk each (ARCHITECTURE.md, "Data path").
+//! Pages come from [`super::page_pool`], which backs pages written whole with huge pages
+//! (random reads then do not pay a page walk each) and pages written in part with small
+//! ones (a first 4 KiB write then touches 4 KiB, not 2 MiB); ARCHITECTURE.md, "Data path".
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -51,7 +52,7 @@ fn hole_bytes(len: usize) -> Bytes {
     Bytes::from_static(&ZERO_PAGE[..len])
 }
 
-/// A new page of zeroes, from the huge-page pool ([`super::page_pool`]).
+/// A new page of zeroes, for a write of part of it ([`super::page_pool`]).
 fn zero_page() -> Page {
     Arc::new(PageBuf::zeroed())
 }
@@ -196,7 +197,12 @@ impl MemoryBackend {
         let stream = !continues || data.len() as u64 >= PAGE_SIZE;
         Self::for_each_piece(offset, data.len() as u64, |page, in_page, at, len| {
             let mut shard = self.shard(page).write().unwrap_or_else(|e| e.into_inner());
-            let bytes = writable(shard.entry(page).or_insert_with(zero_page));
+            // A page written whole needs no zeroes first (and takes memory meant for it).
+            let new_page = || match len as u64 {
+                PAGE_SIZE => Arc::new(PageBuf::any()),
+                _ => zero_page(),
+            };
+            let bytes = writable(shard.entry(page).or_insert_with(new_page));
             let (into, from) = (&mut bytes[in_page..in_page + len], &data[at..at + len]);
             if stream {
                 super::stream_copy::copy_streaming(into, from);

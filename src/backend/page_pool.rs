@@ -1,18 +1,34 @@
-//! Page buffers for the memory export, carved from regions aligned to 2 MiB that the kernel
-//! is asked to back with transparent huge pages (`MADV_HUGEPAGE`).
+//! Page buffers for the memory export, carved from regions aligned to 2 MiB: pages written
+//! whole come from regions the kernel is asked to back with transparent huge pages
+//! (`MADV_HUGEPAGE`), pages written in part from regions kept to small pages
+//! (`MADV_NOHUGEPAGE`).
 //!
-//! Measured reason: a memory export's random 4 KiB reads each touch a random page, which
-//! with small pages means an address translation the CPU has most likely not cached (on a
-//! VM, a two-level page walk) where the socket copies the page. This machine's THP setting
-//! is `madvise`, so pages from the ordinary heap never got huge pages (`AnonHugePages` 0 kB,
-//! even with THP set to `always`: the heap grows a little at a time). With the pages in
-//! advised 2 MiB regions (scratch build, fio 4 KiB random reads at QD32 on a prefilled
-//! 512 MiB export, three alternations): 217.0–224.3k IOPS at 3.30–3.36 µs of server CPU
-//! per read, against 188.5–194.1k at 4.10–4.24 µs. (The VM has no PMU to count the TLB
-//! misses themselves.)
+//! Measured reason for huge pages: a memory export's random 4 KiB reads each touch a random
+//! page, which with small pages means an address translation the CPU has most likely not
+//! cached (on a VM, a two-level page walk) where the socket copies the page. This machine's
+//! THP setting is `madvise`, so pages from the ordinary heap never got huge pages
+//! (`AnonHugePages` 0 kB, even with THP set to `always`: the heap grows a little at a time).
+//! With the pages in advised 2 MiB regions (scratch build, fio 4 KiB random reads at QD32 on
+//! a prefilled 512 MiB export, three alternations): 217.0–224.3k IOPS at 3.30–3.36 µs of
+//! server CPU per read, against 188.5–194.1k at 4.10–4.24 µs. (The VM has no PMU to count
+//! the TLB misses themselves.) Session 77, another VM: 260.8k at 2.61 µs against 244.1k at
+//! 2.79 µs with small pages throughout.
+//!
+//! Measured reason for small pages where a page is written in part: the first touch of a
+//! huge page makes the kernel zero all 2 MiB of it, where a 4 KiB write into a small-page
+//! region touches 4 KiB. On a VM whose free memory goes back to the host (virtio_balloon's
+//! free page reporting) that memory is cold, and touching it is slow: 435–836 MB/s with huge
+//! pages against 3,365–3,483 MB/s with small ones (session 77, 512 MiB by hand). 4 KiB
+//! random writes at QD32 into a fresh `memory:4G` export: 8.8k and 8.9k IOPS with every
+//! region huge, 65.2k and 153.9k with pages for partial writes small (nbdkit: 49.0k and
+//! 113.4k). Pages written whole keep huge pages, at a cost when the memory is cold: copying
+//! 1 GiB into a fresh export took 1.51–1.63 s and 2.3–2.6 s of server CPU, against
+//! 0.47–1.09 s and 0.5–1.6 s with small pages throughout (nbdkit 0.61–1.37 s). Collapsing
+//! small pages into huge ones later (`MADV_COLLAPSE`) cost as much as faulting them
+//! (433–514 MB/s), so it would only move that cost, not save it.
 //!
 //! Regions are never unmapped: a page that is dropped goes back to the pool for the next
-//! page (zeroed again when taken as a page of zeroes). A page released by TRIM gives its
+//! page of either use (zeroed again when taken as a page of zeroes). A page released by TRIM gives its
 //! memory back to the kernel instead ([`PageBuf::give_back`]).
 
 #![allow(unsafe_code)]
@@ -44,23 +60,37 @@ unsafe impl Send for PageBuf {}
 // SAFETY: as for `Send`: shared access is only through `&[u8]`.
 unsafe impl Sync for PageBuf {}
 
-/// Free slices and the rest of the newest region.
+/// How a page taken from the pool will be written, which decides the kind of memory a
+/// fresh page comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Use {
+    /// Every byte is written at once: a region backed by huge pages.
+    Whole,
+    /// Starts as zeroes and is written in part: a region of small pages.
+    Part,
+}
+
+/// Free slices and the rest of the newest region of each kind.
 struct Pool {
     /// Addresses of returned slices, and whether each is known to hold zeroes.
     free: Vec<(usize, bool)>,
-    /// The untouched rest of the newest region (fresh anonymous memory reads as zeroes).
-    fresh: std::ops::Range<usize>,
+    /// The untouched rest of the newest huge-page region (fresh anonymous memory reads as
+    /// zeroes), for pages written whole.
+    fresh_whole: std::ops::Range<usize>,
+    /// The untouched rest of the newest small-page region, for pages written in part.
+    fresh_part: std::ops::Range<usize>,
 }
 
 static POOL: Mutex<Pool> = Mutex::new(Pool {
     free: Vec::new(),
-    fresh: 0..0,
+    fresh_whole: 0..0,
+    fresh_part: 0..0,
 });
 
 impl PageBuf {
     /// A page of zeroes.
     pub fn zeroed() -> PageBuf {
-        let (mut page, zeroed) = PageBuf::take();
+        let (mut page, zeroed) = PageBuf::take(Use::Part);
         if !zeroed {
             page.fill(0);
         }
@@ -70,7 +100,7 @@ impl PageBuf {
     /// A page whose bytes are unspecified (old data of an earlier page, or zeroes): for a
     /// receiver that overwrites every byte.
     pub fn any() -> PageBuf {
-        PageBuf::take().0
+        PageBuf::take(Use::Whole).0
     }
 
     /// A page holding `data` (which must be [`PAGE_BYTES`] long).
@@ -93,16 +123,20 @@ impl PageBuf {
         lock().free.push((address, advised == 0));
     }
 
-    fn take() -> (PageBuf, bool) {
+    fn take(use_: Use) -> (PageBuf, bool) {
         let mut pool = lock();
         let (address, zeroed) = match pool.free.pop() {
             Some(free) => free,
             None => {
-                if pool.fresh.is_empty() {
-                    pool.fresh = map_region();
+                let fresh = match use_ {
+                    Use::Whole => &mut pool.fresh_whole,
+                    Use::Part => &mut pool.fresh_part,
+                };
+                if fresh.start == fresh.end {
+                    *fresh = map_region(use_);
                 }
-                let address = pool.fresh.start;
-                pool.fresh.start += PAGE_BYTES;
+                let address = fresh.start;
+                fresh.start += PAGE_BYTES;
                 (address, true)
             }
         };
@@ -148,8 +182,9 @@ fn lock() -> std::sync::MutexGuard<'static, Pool> {
 }
 
 /// Maps a new region of [`REGION_BYTES`], aligned to a huge page, and asks for huge pages
-/// there; returns its address range. Aborts like the global allocator when memory is out.
-fn map_region() -> std::ops::Range<usize> {
+/// there for pages written whole, small pages for pages written in part; returns its
+/// address range. Aborts like the global allocator when memory is out.
+fn map_region(use_: Use) -> std::ops::Range<usize> {
     // A huge page more than the region, so that an aligned region fits whatever address
     // comes back.
     let mapped = REGION_BYTES + HUGE_PAGE_BYTES;
@@ -183,15 +218,13 @@ fn map_region() -> std::ops::Range<usize> {
             libc::munmap(end as *mut libc::c_void, raw + mapped - end);
         }
     }
-    // SAFETY: advice about the region just mapped, which nothing touched yet; if the kernel
-    // refuses it, the region still works with small pages.
-    unsafe {
-        libc::madvise(
-            start as *mut libc::c_void,
-            REGION_BYTES,
-            libc::MADV_HUGEPAGE,
-        )
+    let advice = match use_ {
+        Use::Whole => libc::MADV_HUGEPAGE,
+        Use::Part => libc::MADV_NOHUGEPAGE,
     };
+    // SAFETY: advice about the region just mapped, which nothing touched yet; if the kernel
+    // refuses it, the region still works, with the pages the system's setting gives.
+    unsafe { libc::madvise(start as *mut libc::c_void, REGION_BYTES, advice) };
     start..start + REGION_BYTES
 }
 
@@ -260,15 +293,54 @@ mod tests {
         }
     }
 
+    /// The `VmFlags` line of `/proc/self/smaps` for the mapping that holds `address`.
+    fn vm_flags_of(address: usize) -> String {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").expect("smaps is readable");
+        let mut inside = false;
+        for line in smaps.lines() {
+            let range = line.split_whitespace().next().unwrap_or("");
+            if let Some((start, end)) = range.split_once('-') {
+                if let (Ok(start), Ok(end)) = (
+                    usize::from_str_radix(start, 16),
+                    usize::from_str_radix(end, 16),
+                ) {
+                    inside = (start..end).contains(&address);
+                    continue;
+                }
+            }
+            if inside {
+                if let Some(flags) = line.strip_prefix("VmFlags:") {
+                    return flags.to_string();
+                }
+            }
+        }
+        panic!("no mapping holds {address:#x}");
+    }
+
     #[test]
-    fn regions_are_aligned_to_a_huge_page() {
-        let region = map_region();
-        assert_eq!(region.start % HUGE_PAGE_BYTES, 0);
-        assert_eq!(region.len(), REGION_BYTES);
-        // Give it to the pool, so that the test leaks nothing the pool cannot reuse.
-        let mut pool = lock();
-        for address in region.step_by(PAGE_BYTES) {
-            pool.free.push((address, true));
+    fn regions_are_aligned_and_ask_for_huge_pages_only_for_pages_written_whole() {
+        // `hg` is MADV_HUGEPAGE, `nh` MADV_NOHUGEPAGE: what was asked, whatever the
+        // system's setting gives.
+        if !std::path::Path::new("/sys/kernel/mm/transparent_hugepage").exists() {
+            eprintln!("skipped: this kernel has no transparent huge pages to advise");
+            return;
+        }
+        for (use_, flag) in [(Use::Whole, "hg"), (Use::Part, "nh")] {
+            let region = map_region(use_);
+            assert_eq!(region.start % HUGE_PAGE_BYTES, 0);
+            assert_eq!(region.len(), REGION_BYTES);
+            for address in [region.start, region.end - 1] {
+                let flags = vm_flags_of(address);
+                assert!(
+                    flags.split_whitespace().any(|f| f == flag),
+                    "a region for {use_:?} pages has flags {flags}"
+                );
+            }
+            // Give it to the pool, so that the test leaks nothing the pool cannot reuse.
+            let mut pool = lock();
+            for address in region.step_by(PAGE_BYTES) {
+                pool.free.push((address, true));
+            }
         }
     }
 }

@@ -15,10 +15,11 @@
 //! 2.79 µs with small pages throughout.
 //!
 //! Measured reason for small pages where a page is written in part: the first touch of a
-//! huge page makes the kernel zero all 2 MiB of it, where a 4 KiB write into a small-page
-//! region touches 4 KiB. On a VM whose free memory goes back to the host (virtio_balloon's
-//! free page reporting) that memory is cold, and touching it is slow: 435–836 MB/s with huge
-//! pages against 3,365–3,483 MB/s with small ones (session 77, 512 MiB by hand). 4 KiB
+//! huge page makes the kernel zero all 2 MiB of it, 64 KiB for every page carved from it,
+//! where a 4 KiB write into a small-page region touches 4 KiB. On a VM whose free memory
+//! goes back to the host (virtio_balloon's free page reporting) that memory is cold, and
+//! touching it is slow: 534–547 MB/s with huge pages, 757–811 MB/s with small ones
+//! (session 77, 6 GiB by hand; 3.4 GB/s for the small pages the kernel still had warm). 4 KiB
 //! random writes at QD32 into a fresh `memory:4G` export: 8.8k and 8.9k IOPS with every
 //! region huge, 65.2k and 153.9k with pages for partial writes small (nbdkit: 49.0k and
 //! 113.4k). Pages written whole keep huge pages, at a cost when the memory is cold: copying

@@ -791,10 +791,13 @@ impl FileBackend {
         Ok(())
     }
 
-    /// [`FileBackend::write_to_page_cache`], and the export marked dirty.
+    /// [`FileBackend::write_to_page_cache`], and the export marked dirty: when the copy
+    /// failed too, since one that failed part way (no space for the rest) left the bytes
+    /// before in the page cache, where reads see them, and the next FLUSH must sync them.
     fn copy_to_page_cache(&self, offset: u64, data: &[u8]) -> Result<(), BackendError> {
-        self.write_to_page_cache(offset, data)
-            .map(|()| self.dirty.mark())
+        let copied = self.write_to_page_cache(offset, data);
+        self.dirty.mark();
+        copied
     }
 
     /// A write that is not copied beside, once the changes over it started before it
@@ -1148,7 +1151,11 @@ impl FileBackend {
         if let Some(lost) = self.lost.error() {
             return Err(BackendError::io("write", offset, length, lost));
         }
-        self.write_to_page_cache(offset, &data)?;
+        if let Err(e) = self.write_to_page_cache(offset, &data) {
+            // Part of it may be in the page cache (as in `copy_to_page_cache`).
+            self.dirty.mark();
+            return Err(e);
+        }
         let ticket = self.syncs.start();
         // At most MAX_PAYLOAD bytes, far below 4 GiB.
         let synced = self
@@ -1259,9 +1266,9 @@ impl Job for CopyBeside {
     fn run(self, file: &File) -> std::io::Result<()> {
         use std::os::unix::fs::FileExt;
         let written = file.write_all_at(&self.data, self.offset);
-        if written.is_ok() {
-            self.dirty.mark();
-        }
+        // Failed or not: a copy that failed part way left its first bytes in the page
+        // cache (as in `FileBackend::copy_to_page_cache`).
+        self.dirty.mark();
         #[cfg(test)]
         self.ended.fetch_add(1, Ordering::Release);
         drop(self.held);
@@ -2024,6 +2031,37 @@ mod tests {
         let r = block_on(b.read(0, 3 * size)).unwrap();
         for (i, chunk) in r.bytes().chunks(size).enumerate() {
             assert!(chunk.iter().all(|&x| x == i as u8 + 1), "write {i} landed");
+        }
+    }
+
+    /// A write whose copy into the page cache failed still leaves the export to sync: a
+    /// copy that fails part way (no space for the rest) has left its first bytes in the
+    /// page cache, where reads see them, and a FLUSH that skipped the sync would let a
+    /// crash take back what reads had shown. Each path: on the connection's thread, on
+    /// the writer thread, on the blocking pool, and a FUA write. (Here the copy fails at
+    /// once, over a descriptor opened read-only; which bytes a copy leaves is the kernel's.)
+    #[test]
+    fn a_failed_copy_into_the_page_cache_leaves_the_export_to_sync() {
+        let (_dir, path, mut b) = new_export(4 << 20, Some(CacheMode::Writeback));
+        b.file = Arc::new(std::fs::File::open(&path).unwrap());
+        for (size, fua) in [
+            (4096, false),
+            (WRITE_BESIDE_MIN, false),
+            (WRITE_BESIDE_TURN, false),
+            (4096, true),
+        ] {
+            let written = b.dirty.written.load(Ordering::Acquire);
+            b.dirty.synced(written);
+            assert!(b.dirty.sync_target().is_none(), "nothing left to sync");
+            let data = Bytes::from(vec![7u8; size]).into();
+            assert!(
+                block_on(b.write(0, data, fua)).is_err(),
+                "a write of {size} over a read-only descriptor fails"
+            );
+            assert!(
+                b.dirty.sync_target().is_some(),
+                "a failed write of {size} (FUA {fua}) leaves the export to sync"
+            );
         }
     }
 

@@ -198,9 +198,12 @@ impl MemoryBackend {
         Self::for_each_piece(offset, data.len() as u64, |page, in_page, at, len| {
             let mut shard = self.shard(page).write().unwrap_or_else(|e| e.into_inner());
             // A page written whole needs no zeroes first (and takes memory meant for it).
-            let new_page = || match len as u64 {
-                PAGE_SIZE => Arc::new(PageBuf::any()),
-                _ => zero_page(),
+            let new_page = || {
+                if len as u64 == PAGE_SIZE {
+                    Arc::new(PageBuf::any())
+                } else {
+                    zero_page()
+                }
             };
             let bytes = writable(shard.entry(page).or_insert_with(new_page));
             let (into, from) = (&mut bytes[in_page..in_page + len], &data[at..at + len]);

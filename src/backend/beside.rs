@@ -37,7 +37,6 @@ pub struct Writer<C: Job> {
 struct Shared<C> {
     state: Mutex<State<C>>,
     work_came: Condvar,
-    spare_slots: Mutex<Vec<Arc<Slot>>>,
 }
 
 struct State<C> {
@@ -46,6 +45,9 @@ struct State<C> {
     waiting: bool,
     /// The handle was dropped: end once the queue is empty.
     closed: bool,
+    /// Completion slots of copies that ran, for the next ones (under the queue's lock, so
+    /// that a submission takes one lock).
+    spare_slots: Vec<Arc<Slot>>,
 }
 
 /// Where a copy's result waits for its future.
@@ -77,9 +79,9 @@ impl<C: Job> Writer<C> {
                 queue: VecDeque::new(),
                 waiting: false,
                 closed: false,
+                spare_slots: Vec::new(),
             }),
             work_came: Condvar::new(),
-            spare_slots: Mutex::new(Vec::new()),
         });
         let writer = Arc::clone(&shared);
         std::thread::Builder::new()
@@ -92,8 +94,8 @@ impl<C: Job> Writer<C> {
     /// result once it ran. Dropping the future before the copy began skips it (it is
     /// dropped unrun); after, the copy runs to its end.
     pub fn submit(&self, copy: C) -> Copied<C> {
-        let slot = lock(&self.shared.spare_slots).pop().unwrap_or_default();
         let mut state = lock(&self.shared.state);
+        let slot = state.spare_slots.pop().unwrap_or_default();
         state.queue.push_back((copy, Arc::clone(&slot)));
         if state.waiting {
             state.waiting = false;
@@ -182,9 +184,9 @@ impl<C: Job> Copied<C> {
             .state
             .get_mut()
             .unwrap_or_else(|poisoned| poisoned.into_inner()) = SlotState::default();
-        let mut spares = lock(&self.shared.spare_slots);
-        if spares.len() < SPARE_SLOTS {
-            spares.push(slot);
+        let mut state = lock(&self.shared.state);
+        if state.spare_slots.len() < SPARE_SLOTS {
+            state.spare_slots.push(slot);
         }
     }
 }

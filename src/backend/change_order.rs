@@ -12,12 +12,11 @@
 //! nothing registered is made at once, unregistered.
 //!
 //! "Started" is when the connection hands the request to the export: the first poll of
-//! its future, in the order the connection read the requests, except that a write whose
-//! payload is whole in the read buffer is made as it is parsed, before requests read
-//! earlier whose futures are not yet polled. Within one connection, requests in flight
-//! together may so still land out of order (review, session 76: a TRIM then a 512-byte
-//! write over it, sent together; or a write whose payload crossed two reads, then small
-//! writes over it). NBD lets a server reorder requests in flight together.
+//! its future, in the order the connection read the requests. A write whose payload is
+//! whole in the read buffer is made as it is parsed, before requests read earlier whose
+//! futures are not yet polled, unless it overlaps one of those changes: then it goes as a
+//! future behind them (the pipeline's `changes_not_started`, session 78; before, a TRIM
+//! then a 512-byte write over it, sent together, landed TRIM last: review, session 76).
 //!
 //! Why it matters (review, session 75): a client that sent writes and went away left them
 //! queued on the export's writer thread, and another connection's later write over the

@@ -36,6 +36,8 @@ pub struct InFlight<T> {
     to_poll: VecDeque<usize>,
     shared: Arc<Shared>,
     running: usize,
+    /// Futures pushed and not yet polled (see [`InFlight::any_unpolled`]).
+    unpolled: usize,
     /// Futures that needed a box of their own (a new slot, or one whose box had another
     /// layout).
     #[cfg(test)]
@@ -47,6 +49,8 @@ struct Slot<T> {
     /// The layout of the future's box, which a future must have to reuse it.
     layout: Option<Layout>,
     running: bool,
+    /// Pushed and not yet polled.
+    unpolled: bool,
     /// Wakes this slot: made once, so a future that keeps its waker (`will_wake`) sees
     /// the same one on every poll.
     waker: Waker,
@@ -96,6 +100,7 @@ impl<T> Default for InFlight<T> {
                 owner: AtomicWaker::new(),
             }),
             running: 0,
+            unpolled: 0,
             #[cfg(test)]
             boxes_made: 0,
         }
@@ -110,6 +115,12 @@ impl<T: 'static> InFlight<T> {
 
     pub fn is_empty(&self) -> bool {
         self.running == 0
+    }
+
+    /// Whether a future pushed has not been polled yet: the connection's requests start
+    /// (reach the export) at their first poll, in the order they were pushed.
+    pub fn any_unpolled(&self) -> bool {
+        self.unpolled > 0
     }
 
     /// Adds a future; it is first polled by the next [`InFlight::poll_next`].
@@ -165,6 +176,7 @@ impl<T: 'static> InFlight<T> {
             future: None,
             layout: None,
             running: false,
+            unpolled: false,
             waker: Waker::from(Arc::clone(&wake)),
             wake,
         });
@@ -175,7 +187,9 @@ impl<T: 'static> InFlight<T> {
     fn start(&mut self, index: usize) {
         let slot = &mut self.slots[index];
         slot.running = true;
+        slot.unpolled = true;
         self.running += 1;
+        self.unpolled += 1;
         // Listed now, so that a wake before the first poll does not list it twice.
         slot.wake.listed.store(true, Ordering::Release);
         self.to_poll.push_back(index);
@@ -212,6 +226,10 @@ impl<T: 'static> InFlight<T> {
                 return Poll::Pending;
             }
             budget -= 1;
+            if slot.unpolled {
+                slot.unpolled = false;
+                self.unpolled -= 1;
+            }
             slot.wake.listed.store(false, Ordering::Release);
             let future = slot
                 .future

@@ -354,6 +354,7 @@ pub async fn run<S: Stream>(
         refusal_after_payload: None,
         awaiting_payload: None,
         in_flight: InFlight::default(),
+        changes_not_started: Vec::new(),
         outq: VecDeque::new(),
         front_written: 0,
         held: 0,
@@ -673,6 +674,13 @@ struct Pipeline {
     /// A write whose header was parsed and whose payload is still arriving.
     awaiting_payload: Option<PendingPayload>,
     in_flight: InFlight<Finished>,
+    /// The ranges (start, end) of writes, TRIMs and zeroings pushed to `in_flight` whose
+    /// futures may not have been polled yet: they reach the export at their first poll,
+    /// after the parse. A write that would land as it is parsed (inline, or received into
+    /// the export's pages) over one of them waits its turn as a future instead, so that
+    /// overlapping changes on one connection land in the order they came. Emptied once
+    /// every future has been polled.
+    changes_not_started: Vec<(u64, u64)>,
     outq: VecDeque<Outgoing>,
     /// Bytes of the front message already written.
     front_written: usize,
@@ -1059,6 +1067,7 @@ impl Pipeline {
         let shared = Arc::clone(shared);
         let at = offset + pending.sent as u64;
         let release = pending.header.length;
+        self.change_not_started(at, data.len() as u64);
         self.in_flight.push(async move {
             let result = backend.write(at, data, fua).await;
             Finished::from(write_piece_done(enc, result, release, &shared))
@@ -1172,6 +1181,9 @@ impl Pipeline {
         if length == 0 || len > WRITE_PIECE as usize || self.inbuf.len() < len {
             return false;
         }
+        if self.over_a_change_not_started(offset, u64::from(length)) {
+            return false;
+        }
         let Some(result) = self.backend.write_inline(offset, &self.inbuf[..len], fua) else {
             return false;
         };
@@ -1185,7 +1197,7 @@ impl Pipeline {
     /// A write whose payload is to be received straight into the backend's pages: one of
     /// [`MIN_POOLED`] bytes or more, page-aligned at both ends, to a backend with a
     /// [`PageStore`](crate::backend::PageStore). Its first page is taken now.
-    fn paged_payload(&self, command: &Command) -> Option<PagedPayload> {
+    fn paged_payload(&mut self, command: &Command) -> Option<PagedPayload> {
         let &Command::Write { offset, length, .. } = command else {
             return None;
         };
@@ -1195,12 +1207,50 @@ impl Pipeline {
         if !aligned || (length as usize) < MIN_POOLED {
             return None;
         }
+        // Its pages are handed over as they fill, during the parse.
+        if self.over_a_change_not_started(offset, u64::from(length)) {
+            return None;
+        }
+        let store = self.backend.page_store()?;
         Some(PagedPayload::new(store, offset, length as usize))
+    }
+
+    /// Whether `[offset, offset + length)` overlaps a change pushed to `in_flight` that
+    /// may not have started yet ([`Pipeline::changes_not_started`]).
+    fn over_a_change_not_started(&mut self, offset: u64, length: u64) -> bool {
+        if self.changes_not_started.is_empty() {
+            return false;
+        }
+        if !self.in_flight.any_unpolled() {
+            self.changes_not_started.clear();
+            return false;
+        }
+        let end = offset.saturating_add(length);
+        self.changes_not_started
+            .iter()
+            .any(|&(start, stop)| start < end && offset < stop)
+    }
+
+    /// Notes a change about to be pushed to `in_flight` ([`Pipeline::changes_not_started`]).
+    fn change_not_started(&mut self, offset: u64, length: u64) {
+        if length > 0 {
+            self.changes_not_started
+                .push((offset, offset.saturating_add(length)));
+        }
     }
 
     /// Starts a validated request. A write's payload budget was taken when its header was
     /// parsed; a read's is taken here.
     fn admit(&mut self, header: RequestHeader, command: Command, payload: Option<WriteData>) {
+        match command {
+            Command::Write { offset, length, .. } => {
+                self.change_not_started(offset, u64::from(length));
+            }
+            Command::Trim { offset, length, .. } | Command::WriteZeroes { offset, length, .. } => {
+                self.change_not_started(offset, length);
+            }
+            _ => {}
+        }
         let backend = Arc::clone(&self.backend);
         let cookie = header.cookie;
         let offset = header.offset;
@@ -1591,6 +1641,9 @@ impl Pipeline {
                 }
             }
             completed = true;
+        }
+        if !self.in_flight.any_unpolled() {
+            self.changes_not_started.clear();
         }
         completed
     }
@@ -2940,6 +2993,77 @@ mod tests {
         );
         assert_eq!(backend.writes.load(std::sync::atomic::Ordering::SeqCst), 0);
         assert_landed(&backend, expected).await;
+    }
+
+    /// A write that would land as it is parsed (inline, or received into the export's
+    /// pages) over a change read before it on the same connection, whose future has not
+    /// started yet, waits for it: overlapping changes land in the order they came. A
+    /// write over nothing waiting still goes inline.
+    #[tokio::test]
+    async fn a_write_parsed_over_a_change_not_yet_started_lands_after_it() {
+        let backend = Arc::new(CountingReads::new(None));
+        let mut client = connect_to(Arc::clone(&backend) as Arc<dyn Backend>).await;
+        let mut burst = Vec::new();
+        // A TRIM, then a small write over it, which would go inline.
+        burst.extend(request(cmd::WRITE, 0, 1, 0, 4096));
+        burst.extend(vec![1u8; 4096]);
+        burst.extend(request(cmd::TRIM, 0, 2, 0, 4096));
+        burst.extend(request(cmd::WRITE, 0, 3, 0, 512));
+        burst.extend(vec![2u8; 512]);
+        // Over nothing waiting: inline, as before.
+        burst.extend(request(cmd::WRITE, 0, 4, 8 << 20, 4096));
+        burst.extend(vec![4u8; 4096]);
+        client.write_all(&burst).await.unwrap();
+        for _ in 0..4 {
+            let (_, kind, cookie, _) = read_chunk(&mut client).await;
+            assert_eq!(kind, reply::TYPE_NONE, "request {cookie}");
+        }
+        let mut first = vec![2u8; 512];
+        first.resize(4096, 0);
+        assert_landed(&backend, vec![(0, first), (8 << 20, vec![4u8; 4096])]).await;
+        assert!(
+            backend
+                .inline_writes
+                .load(std::sync::atomic::Ordering::SeqCst)
+                >= 2
+        );
+
+        // A write whose payload came in two reads starts as a future; a small write over
+        // it, parsed right after, waits for it.
+        let data: Vec<u8> = (0..20_000).map(|j| (j % 251) as u8).collect();
+        let mut head = request(cmd::WRITE, 0, 10, 16 << 20, data.len() as u64);
+        head.extend(&data[..5_000]);
+        client.write_all(&head).await.unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        let mut rest = data[5_000..].to_vec();
+        rest.extend(request(cmd::WRITE, 0, 11, (16 << 20) + 100, 512));
+        rest.extend(vec![9u8; 512]);
+        client.write_all(&rest).await.unwrap();
+        for _ in 0..2 {
+            let (_, kind, cookie, _) = read_chunk(&mut client).await;
+            assert_eq!(kind, reply::TYPE_NONE, "request {cookie}");
+        }
+        let mut want = data.clone();
+        want[100..612].fill(9);
+        assert_landed(&backend, vec![(16 << 20, want)]).await;
+
+        // A page-aligned write received into the export's pages, over a TRIM before it.
+        let memory = Arc::new(MemoryBackend::new(64 << 20, false));
+        let mut client = connect_to(Arc::clone(&memory) as Arc<dyn Backend>).await;
+        let big = 2 * MIN_POOLED;
+        let mut burst = request(cmd::TRIM, 0, 20, 1 << 20, big as u64);
+        burst.extend(request(cmd::WRITE, 0, 21, 1 << 20, big as u64));
+        burst.extend(vec![3u8; big]);
+        client.write_all(&burst).await.unwrap();
+        for _ in 0..2 {
+            let (_, kind, cookie, _) = read_chunk(&mut client).await;
+            assert_eq!(kind, reply::TYPE_NONE, "request {cookie}");
+        }
+        let stored = memory.read(1 << 20, big).await.unwrap();
+        assert!(
+            stored.bytes().iter().all(|&b| b == 3),
+            "the TRIM landed after the paged write over it"
+        );
     }
 
     /// Writes whose header arrives with only part of the payload, the rest a little later,

@@ -256,6 +256,27 @@ mod tests {
     use std::time::Duration;
     use tokio::sync::oneshot;
 
+    #[test]
+    fn a_future_counts_as_unpolled_until_its_first_poll_whether_or_not_it_finished() {
+        let mut set = InFlight::default();
+        assert!(!set.any_unpolled());
+        let (tx, rx) = oneshot::channel::<u32>();
+        set.push(async move { rx.await.unwrap() });
+        set.push(std::future::pending::<u32>());
+        assert!(set.any_unpolled());
+        let waker = futures_util::task::noop_waker();
+        let mut cx = Context::from_waker(&waker);
+        assert!(set.poll_next(&mut cx).is_pending());
+        assert!(!set.any_unpolled(), "both were polled, neither finished");
+        set.push(std::future::ready(7));
+        assert!(set.any_unpolled());
+        assert_eq!(set.poll_next(&mut cx), Poll::Ready(Some(7)));
+        assert!(!set.any_unpolled());
+        tx.send(1).unwrap();
+        assert_eq!(set.poll_next(&mut cx), Poll::Ready(Some(1)));
+        assert_eq!(set.len(), 1);
+    }
+
     #[tokio::test]
     async fn futures_finish_in_the_order_they_are_done_not_pushed() {
         let mut set = InFlight::default();

@@ -88,6 +88,11 @@ pub const STREAM_PIECE: u32 = 512 * 1024;
 /// 1 MiB pieces (with 28% less server CPU per byte: the payload is copied on while still
 /// in cache); 1 MiB writes lost 10–20% when split in two, so pieces are 1 MiB.
 pub const WRITE_PIECE: u32 = 1024 * 1024;
+
+/// Ranges kept of the changes whose futures may not have started
+/// ([`Pipeline::changes_not_started`]) before they stand for the whole export: the deepest
+/// queue the benchmarks use.
+const MAX_CHANGES_NOT_STARTED: usize = 256;
 /// Once the replies collected in one round carry this much read data, they are written
 /// before more requests are polled: a copied read fills its buffer when first polled, so
 /// polling every ready read first left megabytes to fall out of the cache before `writev`
@@ -679,7 +684,10 @@ struct Pipeline {
     /// after the parse. A write that would land as it is parsed (inline, or received into
     /// the export's pages) over one of them waits its turn as a future instead, so that
     /// overlapping changes on one connection land in the order they came. Emptied once
-    /// every future has been polled.
+    /// every future has been polled; past [`MAX_CHANGES_NOT_STARTED`] entries it stands
+    /// for the whole export until then. This holds only while every change's future calls
+    /// the backend before it first waits (the backend then lands or registers the change:
+    /// memory, `backend::change_order`).
     changes_not_started: Vec<(u64, u64)>,
     outq: VecDeque<Outgoing>,
     /// Bytes of the front message already written.
@@ -1232,11 +1240,19 @@ impl Pipeline {
     }
 
     /// Notes a change about to be pushed to `in_flight` ([`Pipeline::changes_not_started`]).
+    /// A list grown long (futures left unpolled at the end of every round, as when each
+    /// round stops at [`WRITE_AFTER_DATA`] of read data) becomes one range over the whole
+    /// export, so that it stays short and no write lands at parse time until it is emptied.
     fn change_not_started(&mut self, offset: u64, length: u64) {
-        if length > 0 {
-            self.changes_not_started
-                .push((offset, offset.saturating_add(length)));
+        if length == 0 {
+            return;
         }
+        if self.changes_not_started.len() >= MAX_CHANGES_NOT_STARTED {
+            self.changes_not_started.clear();
+            self.changes_not_started.push((0, u64::MAX));
+        }
+        self.changes_not_started
+            .push((offset, offset.saturating_add(length)));
     }
 
     /// Starts a validated request. A write's payload budget was taken when its header was
@@ -3064,6 +3080,30 @@ mod tests {
             stored.bytes().iter().all(|&b| b == 3),
             "the TRIM landed after the paged write over it"
         );
+    }
+
+    /// Past [`MAX_CHANGES_NOT_STARTED`] changes not yet started, the list stands for the
+    /// whole export: a write over none of them then goes as a future too, and lands.
+    #[tokio::test]
+    async fn many_changes_not_yet_started_hold_back_every_write_parsed_after_them() {
+        let backend = Arc::new(CountingReads::new(None));
+        let mut client = connect_to(Arc::clone(&backend) as Arc<dyn Backend>).await;
+        let trims = MAX_CHANGES_NOT_STARTED as u64 + 10;
+        let mut burst = Vec::new();
+        for i in 0..trims {
+            burst.extend(request(cmd::TRIM, 0, i, i * 8192, 4096));
+        }
+        burst.extend(request(cmd::WRITE, 0, trims, 32 << 20, 4096));
+        burst.extend(vec![5u8; 4096]);
+        client.write_all(&burst).await.unwrap();
+        for _ in 0..=trims {
+            let (_, kind, cookie, _) = read_chunk(&mut client).await;
+            assert_eq!(kind, reply::TYPE_NONE, "request {cookie}");
+        }
+        assert_landed(&backend, vec![(32 << 20, vec![5u8; 4096])]).await;
+        let ordering = std::sync::atomic::Ordering::SeqCst;
+        assert_eq!(backend.inline_writes.load(ordering), 0);
+        assert_eq!(backend.writes.load(ordering), 1);
     }
 
     /// Writes whose header arrives with only part of the payload, the rest a little later,

@@ -1209,8 +1209,9 @@ impl Pipeline {
         let &Command::Write { offset, length, .. } = command else {
             return None;
         };
-        let store = self.backend.page_store()?;
-        let page_size = store.page_size();
+        // The store is taken again at the end: its borrow of the backend cannot live
+        // across the `&mut self` check below.
+        let page_size = self.backend.page_store()?.page_size();
         let aligned = offset % page_size as u64 == 0 && length as usize % page_size == 0;
         if !aligned || (length as usize) < MIN_POOLED {
             return None;
@@ -1244,12 +1245,14 @@ impl Pipeline {
     /// round stops at [`WRITE_AFTER_DATA`] of read data) becomes one range over the whole
     /// export, so that it stays short and no write lands at parse time until it is emptied.
     fn change_not_started(&mut self, offset: u64, length: u64) {
-        if length == 0 {
+        const WHOLE_EXPORT: (u64, u64) = (0, u64::MAX);
+        if length == 0 || self.changes_not_started.first() == Some(&WHOLE_EXPORT) {
             return;
         }
         if self.changes_not_started.len() >= MAX_CHANGES_NOT_STARTED {
             self.changes_not_started.clear();
-            self.changes_not_started.push((0, u64::MAX));
+            self.changes_not_started.push(WHOLE_EXPORT);
+            return;
         }
         self.changes_not_started
             .push((offset, offset.saturating_add(length)));
